@@ -1,0 +1,321 @@
+"""Block selection (Quest): upper-bound scores over block summaries, then the selection.
+
+Score. For one decode query per sequence, query head ``h`` and its KV head ``g = h // group``
+(``group = Hq // Hkv``), the Quest upper bound of ``q_h . k`` over the keys of a block is
+
+    score_h(block) = sum_d max(q[h, d] * min[g, d], q[h, d] * max[g, d])
+
+with ``min``/``max`` the block's summary. One transfer serves all heads, so the engine needs
+ONE score per (sequence, block); it is defined as
+
+    score(block) = sum_g  max_{h in group g}  score_h(block)
+
+i.e. the best query head of each KV-head group, summed over KV heads. Scores may be negative.
+Logical blocks ``j >= num_blocks_per_seq[b]`` score ``-inf``.
+
+Selection (:func:`select_blocks`, pure torch): per sequence the sink blocks, the local window
+(whose last block is the tail block) and the top-scored remaining blocks, ``budget_blocks``
+in total; CSR of logical block ids.
+
+Dispatch of :func:`block_scores`: the Triton kernel runs on CUDA tensors, and on CPU tensors
+when this module was imported with ``TRITON_INTERPRET=1``; otherwise the torch reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["block_scores", "block_scores_reference", "select_blocks"]
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_BLOCK_N = 32  # logical blocks per program
+
+
+@triton.jit
+def _block_scores_kernel(
+    q_ptr,
+    summaries_ptr,
+    block_tables_ptr,
+    num_blocks_ptr,
+    scores_ptr,
+    s_q_b,
+    s_q_h,
+    s_q_d,
+    s_sum_blk,
+    s_sum_kind,
+    s_sum_head,
+    s_sum_d,
+    s_bt_b,
+    s_bt_j,
+    s_out_b,
+    s_out_j,
+    max_blocks,
+    HKV,
+    D,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # Grid (batch, block tile). Each program reads the summaries of BLOCK_N blocks for every
+    # KV head once and scores them against the group's query heads.
+    b = tl.program_id(0)
+    tile = tl.program_id(1)
+    j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = tl.load(num_blocks_ptr + b)
+    valid = (j < n) & (j < max_blocks)
+    phys = tl.load(block_tables_ptr + b * s_bt_b + j * s_bt_j, mask=valid, other=0).to(tl.int64)
+
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < D
+    tile_mask = valid[:, None] & d_mask[None, :]
+    row = summaries_ptr + phys[:, None] * s_sum_blk + d[None, :] * s_sum_d
+    q_row = q_ptr + b.to(tl.int64) * s_q_b + d * s_q_d
+
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for g in range(0, HKV):
+        k_min = tl.load(row + g * s_sum_head, mask=tile_mask, other=0.0).to(tl.float32)
+        k_max = tl.load(row + g * s_sum_head + s_sum_kind, mask=tile_mask, other=0.0).to(tl.float32)
+        best = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+        for i in tl.static_range(GROUP):
+            qh = tl.load(q_row + (g * GROUP + i) * s_q_h, mask=d_mask, other=0.0).to(tl.float32)
+            qh = qh[None, :]
+            s = tl.sum(tl.maximum(qh * k_min, qh * k_max), axis=1)
+            best = tl.maximum(best, s)
+        total += best
+
+    total = tl.where(valid, total, float("-inf"))
+    tl.store(scores_ptr + b * s_out_b + j * s_out_j, total, mask=j < max_blocks)
+
+
+def _check_args(q, summaries, block_tables, num_blocks_per_seq):
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
+    if summaries.dim() != 4 or summaries.shape[1] != 2:
+        raise ValueError(f"summaries must be [num_blocks, 2, Hkv, D], got {tuple(summaries.shape)}")
+    if q.dtype not in _FLOAT_DTYPES or summaries.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"q and summaries must be fp32/fp16/bf16, got {q.dtype} and {summaries.dtype}")
+    bsz, hq, d = q.shape
+    hkv = summaries.shape[2]
+    if summaries.shape[3] != d:
+        raise ValueError(f"head_dim mismatch: q has D={d}, summaries D={summaries.shape[3]}")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"Hq ({hq}) must be a multiple of Hkv ({hkv})")
+    if block_tables.dim() != 2 or block_tables.dtype != torch.int32 or block_tables.shape[0] != bsz:
+        raise ValueError(
+            f"block_tables must be int32 [B={bsz}, max_blocks], got {block_tables.dtype} "
+            f"{tuple(block_tables.shape)}"
+        )
+    if (
+        num_blocks_per_seq.dim() != 1
+        or num_blocks_per_seq.dtype != torch.int32
+        or num_blocks_per_seq.shape[0] != bsz
+    ):
+        raise ValueError(
+            f"num_blocks_per_seq must be int32 [B={bsz}], got {num_blocks_per_seq.dtype} "
+            f"{tuple(num_blocks_per_seq.shape)}"
+        )
+    for name, t in (("summaries", summaries), ("block_tables", block_tables), ("num_blocks_per_seq", num_blocks_per_seq)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+
+
+def _check_values(summaries, block_tables, num_blocks_per_seq):
+    max_blocks = block_tables.shape[1]
+    if num_blocks_per_seq.numel() == 0:
+        return
+    lo, hi = int(num_blocks_per_seq.min()), int(num_blocks_per_seq.max())
+    if lo < 0 or hi > max_blocks:
+        raise ValueError(f"num_blocks_per_seq must be in [0, {max_blocks}], got values in [{lo}, {hi}]")
+    j = torch.arange(max_blocks, device=block_tables.device)
+    used = block_tables[j[None, :] < num_blocks_per_seq[:, None].long()]
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= summaries.shape[0]):
+        raise ValueError(
+            f"block_tables entries of valid blocks must be in [0, {summaries.shape[0]}), "
+            f"got values in [{int(used.min())}, {int(used.max())}]"
+        )
+
+
+def block_scores_reference(
+    q: torch.Tensor,
+    summaries: torch.Tensor,
+    block_tables: torch.Tensor,
+    num_blocks_per_seq: torch.Tensor,
+) -> torch.Tensor:
+    """Torch twin of :func:`block_scores` (same arguments and result).
+
+    Uses ``max(q*mn, q*mx) = relu(q)*mx + min(q, 0)*mn`` so that each KV head is two matmuls.
+    """
+    _check_args(q, summaries, block_tables, num_blocks_per_seq)
+    _check_values(summaries, block_tables, num_blocks_per_seq)
+    bsz, hq, d = q.shape
+    hkv = summaries.shape[2]
+    scores = torch.full(block_tables.shape, float("-inf"), dtype=torch.float32, device=q.device)
+    qf = q.float().view(bsz, hkv, hq // hkv, d)
+    q_pos, q_neg = qf.clamp(min=0), qf.clamp(max=0)
+    for b, n in enumerate(num_blocks_per_seq.tolist()):
+        if n == 0:
+            continue
+        s = summaries[block_tables[b, :n].long()].float()  # [n, 2, Hkv, D]
+        per_head = torch.einsum("ngd,ghd->ngh", s[:, 1], q_pos[b]) + torch.einsum(
+            "ngd,ghd->ngh", s[:, 0], q_neg[b]
+        )  # [n, Hkv, group]
+        scores[b, :n] = per_head.amax(dim=2).sum(dim=1)
+    return scores
+
+
+def _triton_runs(device: torch.device) -> bool:
+    # The interpreter is chosen when triton.jit runs (module import), so ask the kernel object.
+    return device.type == "cuda" or type(_block_scores_kernel).__name__ == "InterpretedFunction"
+
+
+def block_scores(
+    q: torch.Tensor,
+    summaries: torch.Tensor,
+    block_tables: torch.Tensor,
+    num_blocks_per_seq: torch.Tensor,
+    *,
+    check_values: bool | None = None,
+) -> torch.Tensor:
+    """Quest upper-bound score of every logical block of every sequence, for one query each.
+
+    ``score[b, j] = sum_g max_{h in group g} sum_d max(q[b,h,d]*mn[g,d], q[b,h,d]*mx[g,d])``
+    where ``mn, mx = summaries[block_tables[b, j], 0/1]``, ``g = h // (Hq // Hkv)``: the best
+    query head of each KV-head group, summed over KV heads (see module docstring).
+
+    Args:
+        q: [B, Hq, D] decode queries (fp32/fp16/bf16; computed in fp32).
+        summaries: [num_blocks, 2, Hkv, D] one layer's summaries (0 = min, 1 = max).
+        block_tables: int32 [B, max_blocks], logical block j of sequence b -> physical block
+            (row of ``summaries``). Entries at ``j >= num_blocks_per_seq[b]`` are never read.
+        num_blocks_per_seq: int32 [B], valid logical blocks per sequence (<= max_blocks).
+        check_values: check value ranges (costs a device->host sync on CUDA). Default: check on
+            CPU tensors only. Unchecked bad values on CUDA are undefined.
+
+    Returns:
+        fp32 [B, max_blocks]; ``-inf`` where ``j >= num_blocks_per_seq[b]``.
+    """
+    if not _triton_runs(q.device):
+        return block_scores_reference(q, summaries, block_tables, num_blocks_per_seq)
+    _check_args(q, summaries, block_tables, num_blocks_per_seq)
+    if check_values if check_values is not None else q.device.type != "cuda":
+        _check_values(summaries, block_tables, num_blocks_per_seq)
+    bsz, hq, d = q.shape
+    hkv = summaries.shape[2]
+    max_blocks = block_tables.shape[1]
+    scores = torch.empty((bsz, max_blocks), dtype=torch.float32, device=q.device)
+    if bsz == 0 or max_blocks == 0:
+        return scores
+    grid = (bsz, triton.cdiv(max_blocks, _BLOCK_N))
+    _block_scores_kernel[grid](
+        q,
+        summaries,
+        block_tables,
+        num_blocks_per_seq,
+        scores,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        summaries.stride(0),
+        summaries.stride(1),
+        summaries.stride(2),
+        summaries.stride(3),
+        block_tables.stride(0),
+        block_tables.stride(1),
+        scores.stride(0),
+        scores.stride(1),
+        max_blocks,
+        hkv,
+        d,
+        GROUP=hq // hkv,
+        BLOCK_N=_BLOCK_N,
+        BLOCK_D=triton.next_power_of_2(d),
+        num_warps=4,
+    )
+    return scores
+
+
+def select_blocks(
+    scores: torch.Tensor,
+    num_blocks_per_seq: torch.Tensor,
+    budget_blocks: int,
+    sink_blocks: int,
+    local_blocks: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence selection as CSR of logical block ids.
+
+    For sequence ``b`` with ``n = num_blocks_per_seq[b]`` blocks:
+
+    - ``n <= budget_blocks``: all blocks ``0 .. n-1``;
+    - otherwise exactly ``budget_blocks`` blocks: the sink blocks ``0 .. sink_blocks-1``, the
+      local window ``n-local_blocks .. n-1`` (its last block is the tail block), and the
+      highest-scored of the remaining blocks to fill the budget.
+
+    Ties: among equal scores the lower logical block id wins (stable descending sort), the
+    same on CPU and GPU. NaN scores rank below every finite score, ``-inf`` scores below
+    finite ones; ``+inf`` scores rank as the largest finite score, so forced blocks always win.
+
+    Args:
+        scores: [B, max_blocks] float (e.g. from :func:`block_scores`); entries at
+            ``j >= n`` are ignored.
+        num_blocks_per_seq: int [B], on the CPU or on ``scores.device``. Its values are needed
+            on the host to size the output: pass it on the CPU to avoid a device->host sync.
+        budget_blocks: blocks per sequence in total (sink and local included), >= 1.
+        sink_blocks: >= 0.
+        local_blocks: >= 1 (the tail block is always selected).
+        ``sink_blocks + local_blocks <= budget_blocks`` is required.
+
+    Returns:
+        ``(indptr, indices)`` on ``scores.device``: int32 [B+1] and int32 [nnz], ids sorted
+        ascending within each sequence; ``nnz = sum_b min(n_b, budget_blocks)``.
+    """
+    if scores.dim() != 2 or not scores.is_floating_point():
+        raise ValueError(f"scores must be a float [B, max_blocks] tensor, got {scores.dtype} {tuple(scores.shape)}")
+    bsz, max_blocks = scores.shape
+    if num_blocks_per_seq.dim() != 1 or num_blocks_per_seq.shape[0] != bsz or num_blocks_per_seq.is_floating_point():
+        raise ValueError(
+            f"num_blocks_per_seq must be an integer [B={bsz}] tensor, got {num_blocks_per_seq.dtype} "
+            f"{tuple(num_blocks_per_seq.shape)}"
+        )
+    if budget_blocks < 1 or sink_blocks < 0 or local_blocks < 1:
+        raise ValueError(
+            f"need budget_blocks >= 1, sink_blocks >= 0, local_blocks >= 1; got "
+            f"{budget_blocks}, {sink_blocks}, {local_blocks}"
+        )
+    if sink_blocks + local_blocks > budget_blocks:
+        raise ValueError(
+            f"sink_blocks + local_blocks ({sink_blocks} + {local_blocks}) exceeds budget_blocks ({budget_blocks})"
+        )
+    dev = scores.device
+    n_host = num_blocks_per_seq.to("cpu", torch.int64)
+    if bsz and (int(n_host.min()) < 0 or int(n_host.max()) > max_blocks):
+        raise ValueError(
+            f"num_blocks_per_seq must be in [0, {max_blocks}], got values in "
+            f"[{int(n_host.min())}, {int(n_host.max())}]"
+        )
+    counts_host = n_host.clamp(max=budget_blocks)
+    indptr_host = torch.zeros(bsz + 1, dtype=torch.int64)
+    torch.cumsum(counts_host, dim=0, out=indptr_host[1:])
+    nnz = int(indptr_host[-1])
+    indptr = indptr_host.to(device=dev, dtype=torch.int32)
+    if nnz == 0:
+        return indptr, torch.empty(0, dtype=torch.int32, device=dev)
+
+    n = n_host.to(dev)[:, None]
+    j = torch.arange(max_blocks, device=dev)[None, :]
+    valid = j < n
+    forced = valid & ((j < sink_blocks) | (j >= n - local_blocks))
+    big = torch.finfo(torch.float32).max
+    key = torch.nan_to_num(scores.float(), nan=-big, posinf=big, neginf=-big)
+    key = key.masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf"))
+    # Valid blocks rank strictly above invalid ones and forced ones strictly above the rest,
+    # so the first min(n, budget) entries of each row are the selection.
+    k = min(budget_blocks, max_blocks)
+    order = torch.sort(key, dim=1, descending=True, stable=True).indices[:, :k]
+    counts = counts_host.to(dev)
+    col = torch.arange(k, device=dev)[None, :]
+    chosen = order.masked_fill(col >= counts[:, None], max_blocks).sort(dim=1).values
+    rows = torch.repeat_interleave(torch.arange(bsz, device=dev), counts, output_size=nnz)
+    cols = torch.arange(nnz, device=dev) - indptr_host[:-1].to(dev)[rows]
+    return indptr, chosen[rows, cols].to(torch.int32)

@@ -1,0 +1,219 @@
+import math
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import pytest
+import torch
+
+from oasiskv.kernels import block_select
+from oasiskv.kernels.block_select import block_scores, block_scores_reference, select_blocks
+from oasiskv.kernels.block_summary import update_block_summaries
+
+
+def _case(bsz, hq, hkv, d, max_blocks, num_blocks_per_seq, dtype, seed=0, strided_q=False):
+    g = torch.Generator().manual_seed(seed)
+    phys_blocks = bsz * max_blocks + 5
+    q = torch.randn(bsz, hq, d + (8 if strided_q else 0), generator=g).to(dtype)
+    q = q[:, :, :d] if strided_q else q
+    lo = torch.randn(phys_blocks, hkv, d, generator=g)
+    hi = lo + torch.rand(phys_blocks, hkv, d, generator=g) * 2
+    summaries = torch.stack([lo, hi], dim=1).to(dtype)
+    # each sequence's blocks live at scattered physical ids; unused entries are garbage (-1)
+    perm = torch.randperm(phys_blocks, generator=g)[: bsz * max_blocks].view(bsz, max_blocks)
+    nb = torch.tensor(num_blocks_per_seq, dtype=torch.int32)
+    j = torch.arange(max_blocks)
+    tables = torch.where(j[None] < nb[:, None].long(), perm, -1).to(torch.int32)
+    return q, summaries, tables, nb
+
+
+def _brute_force_scores(q, summaries, tables, nb):
+    """Straight from the definition: float64 loops over sequences, blocks and heads."""
+    bsz, hq, d = q.shape
+    hkv = summaries.shape[2]
+    group = hq // hkv
+    out = torch.full(tables.shape, -math.inf, dtype=torch.float64)
+    for b in range(bsz):
+        for j in range(int(nb[b])):
+            p = int(tables[b, j])
+            total = 0.0
+            for gi in range(hkv):
+                mn, mx = summaries[p, 0, gi].double(), summaries[p, 1, gi].double()
+                best = -math.inf
+                for h in range(gi * group, (gi + 1) * group):
+                    qh = q[b, h].double()
+                    best = max(best, float(torch.maximum(qh * mn, qh * mx).sum()))
+                total += best
+            out[b, j] = total
+    return out
+
+
+SHAPES = [
+    # bsz, hq, hkv, d, max_blocks, num_blocks_per_seq
+    (3, 8, 2, 64, 70, [70, 1, 0]),  # several tiles, an empty and a 1-block sequence
+    (2, 9, 3, 64, 20, [20, 13]),  # SmolLM2 heads: group of 3
+    (2, 4, 4, 40, 33, [5, 33]),  # group of 1, non-power-of-2 head_dim
+]
+
+
+def test_kernel_is_interpreted():
+    assert block_select._triton_runs(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("strided_q", [False, True])
+def test_triton_matches_reference(dtype, shape, strided_q):
+    q, s, tables, nb = _case(*shape, dtype=dtype, strided_q=strided_q)
+    got = block_scores(q, s, tables, nb)
+    ref = block_scores_reference(q, s, tables, nb)
+    assert got.dtype == torch.float32 and got.shape == tables.shape
+    assert torch.equal(torch.isinf(got), torch.isinf(ref))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_reference_matches_brute_force(dtype, shape):
+    q, s, tables, nb = _case(*shape, dtype=dtype, seed=1)
+    ref = block_scores_reference(q, s, tables, nb)
+    bf = _brute_force_scores(q, s, tables, nb)
+    j = torch.arange(tables.shape[1])
+    assert torch.all(ref[j[None] >= nb[:, None].long()] == -math.inf)
+    torch.testing.assert_close(ref.double(), bf, rtol=1e-5, atol=1e-4)
+
+
+def test_score_is_an_upper_bound_end_to_end():
+    """summaries from real keys -> block_scores >= sum_g max_h max_k q_h . k."""
+    torch.manual_seed(2)
+    bsz, hq, hkv, d, block_size, max_blocks = 2, 4, 2, 16, 16, 6
+    kv = torch.randn(bsz * max_blocks, 2, block_size, hkv, d)
+    summaries = torch.zeros(bsz * max_blocks, 2, hkv, d)
+    nb = torch.tensor([6, 4], dtype=torch.int32)
+    tables = torch.arange(bsz * max_blocks, dtype=torch.int32).view(bsz, max_blocks)
+    fill = torch.full((bsz * max_blocks,), block_size, dtype=torch.int32)
+    fill[tables[0, 5]] = 9  # partial tail blocks
+    fill[tables[1, 3]] = 1
+    update_block_summaries(summaries, kv, tables.flatten(), fill)
+    q = torch.randn(bsz, hq, d)
+    scores = block_scores(q, summaries, tables, nb)
+    for b in range(bsz):
+        for j in range(int(nb[b])):
+            p = int(tables[b, j])
+            keys = kv[p, 0, : int(fill[p])]  # [n, Hkv, D]
+            exact = sum(
+                max(float((keys[:, h // (hq // hkv)] @ q[b, h]).max()) for h in range(g * 2, g * 2 + 2))
+                for g in range(hkv)
+            )
+            assert float(scores[b, j]) >= exact - 1e-4
+
+
+@pytest.mark.parametrize("fn", [block_scores, block_scores_reference])
+def test_block_scores_bad_arguments_raise(fn):
+    q, s, tables, nb = _case(2, 4, 2, 16, 5, [5, 3], torch.float32)
+    cases = [
+        (q[:, :, :8], s, tables, nb, "head_dim"),
+        (q[:, :3], s, tables, nb, "multiple of Hkv"),
+        (q[0], s, tables, nb, "q must be"),
+        (q, s[:, :1], tables, nb, "summaries must be"),
+        (q, s, tables.long(), nb, "block_tables must be"),
+        (q, s, tables[:1], nb, "block_tables must be"),
+        (q, s, tables, nb[:1], "num_blocks_per_seq must be int32"),
+        (q, s, tables, torch.tensor([6, 3], dtype=torch.int32), r"num_blocks_per_seq must be in \[0, 5\]"),
+        (q, s, tables, torch.tensor([5, 4], dtype=torch.int32), "block_tables entries"),  # reads a -1
+    ]
+    for args in cases:
+        with pytest.raises(ValueError, match=args[-1]):
+            fn(*args[:-1])
+
+
+# ---------------------------------------------------------------- select_blocks
+
+
+def _brute_force_select(scores, nb, budget, sink, local):
+    indptr, indices = [0], []
+    for b in range(scores.shape[0]):
+        n = int(nb[b])
+        if n <= budget:
+            chosen = set(range(n))
+        else:
+            chosen = set(range(sink)) | set(range(n - local, n))
+            rest = [j for j in range(n) if j not in chosen]
+
+            def rank(j):
+                v = float(scores[b, j])
+                return -(-math.inf if math.isnan(v) else v), j  # higher score first, then lower id
+
+            chosen |= set(sorted(rest, key=rank)[: budget - len(chosen)])
+        indices += sorted(chosen)
+        indptr.append(len(indices))
+    return indptr, indices
+
+
+SELECT_CASES = [
+    # budget, sink, local
+    (8, 1, 2),
+    (8, 0, 1),
+    (6, 2, 4),  # budget == sink + local: no top-scored blocks
+    (5, 3, 2),
+    (1, 0, 1),  # tail only
+    (12, 4, 4),
+]
+
+
+@pytest.mark.parametrize("budget,sink,local", SELECT_CASES)
+@pytest.mark.parametrize("ties", [False, True])
+def test_select_blocks_matches_brute_force(budget, sink, local, ties):
+    g = torch.Generator().manual_seed(budget * 100 + sink * 10 + local + ties)
+    max_blocks = 24
+    # lengths around the budget: shorter (sink/local overlap), equal, one more, full
+    nb = torch.tensor([0, 1, 2, 3, budget - 1, budget, budget + 1, budget + 2, 17, max_blocks])
+    nb = nb.clamp(0, max_blocks).to(torch.int32)
+    if ties:
+        scores = torch.randint(-2, 3, (len(nb), max_blocks), generator=g).float()
+    else:
+        scores = torch.randn(len(nb), max_blocks, generator=g)
+    indptr, indices = select_blocks(scores, nb, budget, sink, local)
+    exp_indptr, exp_indices = _brute_force_select(scores, nb, budget, sink, local)
+    assert indptr.dtype == torch.int32 and indices.dtype == torch.int32
+    assert indptr.tolist() == exp_indptr
+    assert indices.tolist() == exp_indices
+
+
+def test_select_blocks_ties_prefer_lower_ids_and_forced_beat_infinity():
+    scores = torch.zeros(1, 10)
+    scores[0, 3] = math.inf  # a genuine +inf must not push out the forced tail block
+    scores[0, 5] = math.inf
+    scores[0, 7] = math.nan
+    nb = torch.tensor([10], dtype=torch.int32)
+    indptr, indices = select_blocks(scores, nb, budget_blocks=4, sink_blocks=1, local_blocks=1)
+    assert indices.tolist() == [0, 3, 5, 9]
+    indptr, indices = select_blocks(scores, nb, budget_blocks=6, sink_blocks=1, local_blocks=1)
+    assert indices.tolist() == [0, 1, 2, 3, 5, 9]  # zeros tie: ids 1, 2 before 4, 6, 8; NaN last
+
+
+def test_select_blocks_pipeline_and_ignores_invalid_scores():
+    q, s, tables, nb = _case(3, 8, 2, 32, 40, [40, 7, 0], torch.float32, seed=3)
+    scores = block_scores(q, s, tables, nb)
+    indptr, indices = select_blocks(scores, nb, budget_blocks=10, sink_blocks=1, local_blocks=3)
+    assert indptr.tolist() == [0, 10, 17, 17]
+    assert indices[10:].tolist() == list(range(7))
+    first = indices[:10].tolist()
+    assert first[0] == 0 and first[-3:] == [37, 38, 39]
+    top = scores[0, 1:37].topk(6).indices + 1
+    assert sorted(first[1:7]) == sorted(top.tolist())
+
+
+def test_select_blocks_bad_arguments_raise():
+    scores = torch.zeros(2, 8)
+    nb = torch.tensor([8, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="exceeds budget_blocks"):
+        select_blocks(scores, nb, 4, 2, 3)
+    with pytest.raises(ValueError, match="local_blocks >= 1"):
+        select_blocks(scores, nb, 4, 1, 0)
+    with pytest.raises(ValueError, match=r"in \[0, 8\]"):
+        select_blocks(scores, torch.tensor([9, 3], dtype=torch.int32), 4, 1, 1)
+    with pytest.raises(ValueError, match="num_blocks_per_seq must be"):
+        select_blocks(scores, nb[:1], 4, 1, 1)
+    with pytest.raises(ValueError, match="scores must be"):
+        select_blocks(scores[0], nb, 4, 1, 1)
