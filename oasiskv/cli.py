@@ -1,0 +1,149 @@
+"""oasiskv generate | chat | bench. Flag defaults come from the config dataclasses."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from oasiskv.config import CacheConfig, EngineConfig, SamplingParams, SchedulerConfig
+
+ENGINE_DEFAULTS, CACHE_DEFAULTS, SCHED_DEFAULTS = EngineConfig(), CacheConfig(), SchedulerConfig()
+SAMPLING_DEFAULTS = SamplingParams()
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=ENGINE_DEFAULTS.model,
+                   help="HF directory, .gguf file, or qwen3-8b | qwen3-0.6b | llama-3.1-8b (with --load-format dummy); "
+                        "default: the embedded SmolLM2-135M-Instruct")
+    g.add_argument("--load-format", default=ENGINE_DEFAULTS.load_format, choices=["auto", "dummy"])
+    g.add_argument("--dtype", default=ENGINE_DEFAULTS.dtype)
+    g.add_argument("--device", default=ENGINE_DEFAULTS.device)
+    g.add_argument("--seed", type=int, default=ENGINE_DEFAULTS.seed)
+    g.add_argument("--block-size", type=int, default=CACHE_DEFAULTS.block_size, choices=[16])
+    g.add_argument("--gpu-memory-utilization", type=float, default=CACHE_DEFAULTS.gpu_memory_utilization)
+    g.add_argument("--gpu-memory-gb", type=float, default=CACHE_DEFAULTS.gpu_memory_gb)
+    g.add_argument("--kv-cache-gb", type=float, default=CACHE_DEFAULTS.kv_cache_gb)
+    g.add_argument("--num-kv-blocks", type=int, default=CACHE_DEFAULTS.num_kv_blocks)
+    g.add_argument("--max-num-seqs", type=int, default=SCHED_DEFAULTS.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int, default=SCHED_DEFAULTS.max_num_batched_tokens)
+    g.add_argument("--max-model-len", type=int, default=SCHED_DEFAULTS.max_model_len)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise SystemExit(f"error: --gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    cache = CacheConfig(block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+                        gpu_memory_gb=args.gpu_memory_gb, kv_cache_gb=args.kv_cache_gb,
+                        num_kv_blocks=args.num_kv_blocks)
+    sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                            max_model_len=args.max_model_len)
+    return EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
+                        seed=args.seed, cache=cache, scheduler=sched, show_progress=True)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=SAMPLING_DEFAULTS.max_tokens)
+    g.add_argument("--temperature", type=float, default=SAMPLING_DEFAULTS.temperature)
+    g.add_argument("--top-p", type=float, default=SAMPLING_DEFAULTS.top_p)
+    g.add_argument("--top-k", type=int, default=SAMPLING_DEFAULTS.top_k)
+    g.add_argument("--sampling-seed", type=int, default=SAMPLING_DEFAULTS.seed,
+                   help="seed of this request's sampler (default: drawn from the engine's --seed)")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    try:
+        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k, seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+
+
+def build_llm(args):
+    from oasiskv.api import LLM
+
+    try:
+        return LLM.from_config(engine_config(args))
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}")
+
+
+def cmd_generate(args) -> None:
+    params = sampling_params(args)
+    llm = build_llm(args)
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+    try:
+        out = llm.generate(prompt, params, use_tqdm=False)[0]
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+    stats = {**llm.engine.stats.as_dict(), **out.metrics, "finish_reason": out.outputs[0].finish_reason,
+             "prompt_tokens": len(out.prompt_token_ids), "output_tokens": len(out.outputs[0].token_ids)}
+    if args.json:
+        print(json.dumps({"text": out.outputs[0].text, "token_ids": out.outputs[0].token_ids, "stats": stats}))
+        return
+    print(out.outputs[0].text)
+    print("\n--- stats ---")
+    for k, v in stats.items():
+        print(f"{k}: {v:.4g}" if isinstance(v, float) else f"{k}: {v}")
+
+
+def cmd_chat(args) -> None:
+    params = sampling_params(args)
+    llm = build_llm(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("chat with the model; an empty line or Ctrl-D ends it", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        reply = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+        messages.append({"role": "assistant", "content": reply})
+        print(f"model> {reply}")
+
+
+def cmd_bench(args) -> None:
+    from oasiskv.bench.throughput import run_from_args
+
+    run_from_args(args, engine_config(args))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="oasiskv", description="OasisKV inference engine")
+    sub = p.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate a completion for one prompt")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats) last")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="interactive chat on stdin")
+    chat.add_argument("--system", default=None)
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat, max_tokens=256)
+    bench = sub.add_parser("bench", help="decode throughput at a given context length")
+    from oasiskv.bench.throughput import add_bench_args
+
+    add_bench_args(bench)
+    add_engine_args(bench)
+    bench.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""The engine loop: requests in, one scheduler plan and one model step at a time, outputs out."""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from oasiskv.config import EngineConfig, SamplingParams
+from oasiskv.engine.request import Request
+from oasiskv.engine.runner import ModelRunner
+from oasiskv.engine.sampler import Sampler
+from oasiskv.engine.scheduler import Scheduler
+from oasiskv.kv.block_allocator import BlockAllocator
+from oasiskv.kv.gpu_pool import KVPool, bytes_per_block, plan_num_blocks
+from oasiskv.models.loader import load_model
+from oasiskv.policies.dense import DensePolicy
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    step_time_s: float = 0.0
+    preemptions: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in self.__dict__.items() if k != "extra"}
+        d.update(self.extra)
+        return d
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+             "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+    if name not in table:
+        raise ValueError(f"--dtype must be one of auto, {', '.join(table)}; got {name!r}")
+    return table[name]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        loaded = load_model(config.model, config.load_format, self.device, self.dtype, config.seed,
+                            config.show_progress)
+        self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        self.model_source = loaded.source
+        self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
+        self.block_size = config.cache.block_size
+        num_blocks = plan_num_blocks(self.model_config, config.cache, self.dtype, self.device,
+                                     self.weights_bytes(), self.profile_activation_bytes())
+        self.pool = KVPool(self.model_config, num_blocks, self.block_size, self.dtype, self.device)
+        self.allocator = BlockAllocator(num_blocks)
+        self.scheduler = Scheduler(config.scheduler, self.allocator, self.block_size, self.max_model_len)
+        self.policy = DensePolicy(self.pool, self.model_config.head_dim ** -0.5)
+        self.runner = ModelRunner(self.model, self.policy, self.block_size, self.device)
+        self.sampler = Sampler(self.device, config.seed)
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def weights_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def profile_activation_bytes(self) -> int:
+        """Peak activation memory of one full-size prefill step, measured (GPU only)."""
+        if self.device.type != "cuda" or self.config.cache.kv_cache_gb or self.config.cache.num_kv_blocks:
+            return 0
+        n = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.inference_mode():
+            ids = torch.zeros(n, dtype=torch.long, device=self.device)
+            hidden, _ = self.model(ids, torch.arange(n, device=self.device), _NoCacheCausal())
+            self.model.logits(hidden[-self.config.scheduler.max_num_seqs:])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        torch.cuda.empty_cache()
+        return int(peak * 1.2) + (256 << 20)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return bytes_per_block(self.model_config, 1, self.dtype)
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Queues a request; raises ValueError (and queues nothing) if it can never run."""
+        params.validate()
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(f"token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}")
+        rid = request_id if request_id is not None else str(next(self._ids))
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        req = Request(rid, text, ids, params)
+        self.scheduler.add(req)
+        self.requests[rid] = req
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is not None and not req.finished:
+            self.scheduler.finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop -------------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """One scheduler plan, one forward pass. Returns the requests that finished in this step."""
+        plan = self.scheduler.schedule()
+        self.stats.preemptions += len(plan.preempted)
+        if not plan.chunks:
+            return []
+        t0 = time.perf_counter()
+        result = self.runner.execute(plan)
+        params = [self.requests[r].params for r in result.request_ids]
+        tokens = self.sampler.sample(result.logits, result.request_ids, params) if result.request_ids else []
+        self.stats.step_time_s += time.perf_counter() - t0
+        self.stats.steps += 1
+        for c in plan.chunks:
+            req = self.requests[c.request_id]
+            req.num_computed_tokens += len(c.token_ids)
+            if len(c.token_ids) == 1 and c.start >= len(req.prompt_token_ids):
+                self.stats.decode_tokens += 1
+            else:
+                self.stats.prefill_tokens += len(c.token_ids)
+        finished = []
+        for rid, tok in zip(result.request_ids, tokens):
+            req = self.requests[rid]
+            if self.append_token(req, tok):
+                finished.append(req)
+        return finished
+
+    def append_token(self, req: Request, token: int) -> bool:
+        """Adds a sampled token and applies the stop rules. Returns True if the request finished."""
+        now = time.perf_counter()
+        req.first_token_time = req.first_token_time or now
+        req.output_token_ids.append(token)
+        reason = self.stop_reason(req, token)
+        if reason is None:
+            return False
+        self.scheduler.finish(req, reason)
+        self.sampler.forget(req.request_id)
+        req.finish_time = now
+        if reason != "stop_string":
+            req.output_text = self.tokenizer.decode(req.output_token_ids)
+        else:
+            req.finish_reason = "stop"
+        return True
+
+    def stop_reason(self, req: Request, token: int) -> str | None:
+        p = req.params
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if p.stop_token_ids and token in p.stop_token_ids:
+            return "stop"
+        if p.stop:
+            text = self.tokenizer.decode(req.output_token_ids)
+            cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                req.output_text = text[:cut]
+                return "stop_string"
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+
+    def pop_finished(self, request_id: str) -> Request:
+        return self.requests.pop(request_id)
+
+
+class _NoCacheCausal:
+    """Attention without a cache, for the memory-profiling pass."""
+
+    def attend(self, layer, q, k, v):
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             is_causal=True, enable_gqa=True)
+        return out.transpose(0, 1)

@@ -1,0 +1,85 @@
+"""Turns a scheduler plan (ints) into tensors, runs the model, returns logits rows to sample."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from oasiskv.engine.scheduler import ScheduledChunk, SchedulerOutput
+from oasiskv.models.llama import CausalLM
+from oasiskv.policies.base import AttentionMetadata, KVPolicy, PrefillSpan
+
+
+@dataclass
+class StepResult:
+    request_ids: list[str]  # the requests that sample this step, in logits row order
+    logits: torch.Tensor  # [len(request_ids), vocab] fp32
+    captured: list[torch.Tensor]  # hidden states of the capture layers, [T, H] each
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, policy: KVPolicy, block_size: int, device: torch.device):
+        self.model, self.policy, self.block_size, self.device = model, policy, block_size, device
+        self.capture_layers: tuple[int, ...] = ()
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> StepResult:
+        chunks = order_decodes_first(plan.chunks)
+        ids, positions, meta = self.prepare(chunks)
+        self.policy.begin_step(meta)
+        hidden, captured = self.model(ids, positions, self.policy, self.capture_layers)
+        ends, sampling = [], []
+        offset = 0
+        for c in chunks:
+            offset += len(c.token_ids)
+            if c.sample:
+                ends.append(offset - 1)
+                sampling.append(c.request_id)
+        rows = torch.tensor(ends, device=self.device, dtype=torch.long)
+        logits = self.model.logits(hidden[rows]) if ends else hidden.new_zeros(0, 0, dtype=torch.float32)
+        return StepResult(sampling, logits, captured)
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        ids, positions, slot_blocks = [], [], []
+        for c in chunks:
+            pos = range(c.start, c.start + len(c.token_ids))
+            ids += c.token_ids
+            positions += pos
+            slot_blocks += [c.block_ids[p // bs] for p in pos]
+        num_decode = sum(1 for c in chunks if len(c.token_ids) == 1)
+        decodes, prefills = chunks[:num_decode], chunks[num_decode:]
+        dev = self.device
+        pos_t = torch.tensor(positions, dtype=torch.long)
+        meta = AttentionMetadata(
+            slot_blocks=torch.tensor(slot_blocks, dtype=torch.long).to(dev, non_blocking=True),
+            slot_offsets=(pos_t % bs).to(dev, non_blocking=True),
+            num_decode=num_decode,
+            decode_block_tables=block_table_tensor([c.block_ids for c in decodes]).to(dev, non_blocking=True),
+            decode_seq_lens=torch.tensor([c.start + 1 for c in decodes], dtype=torch.int32).to(dev, non_blocking=True),
+            prefills=self.prefill_spans(prefills, num_decode),
+        )
+        return (torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True), pos_t.to(dev, non_blocking=True),
+                meta)
+
+    def prefill_spans(self, prefills: list[ScheduledChunk], first_token: int) -> list[PrefillSpan]:
+        spans, t = [], first_token
+        for c in prefills:
+            n = len(c.token_ids)
+            used = -(-(c.start + n) // self.block_size)
+            blocks = torch.tensor(c.block_ids[:used], dtype=torch.long).to(self.device, non_blocking=True)
+            spans.append(PrefillSpan(t, t + n, c.start, blocks))
+            t += n
+        return spans
+
+
+def order_decodes_first(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
+    return [c for c in chunks if len(c.token_ids) == 1] + [c for c in chunks if len(c.token_ids) > 1]
+
+
+def block_table_tensor(tables: list[list[int]]) -> torch.Tensor:
+    width = max((len(t) for t in tables), default=0)
+    out = torch.zeros(len(tables), max(width, 1), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        out[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    return out

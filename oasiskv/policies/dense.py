@@ -1,0 +1,55 @@
+"""Dense policy: the full KV cache on the device, every query attends to every earlier token."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from oasiskv.kernels.paged_decode import paged_decode_attention, paged_decode_reference
+from oasiskv.kv.gpu_pool import KVPool
+from oasiskv.policies.base import AttentionMetadata, KVPolicy, PrefillSpan
+
+
+def write_kv(kv_layer: torch.Tensor, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
+    kv_layer[meta.slot_blocks, 0, meta.slot_offsets] = k
+    kv_layer[meta.slot_blocks, 1, meta.slot_offsets] = v
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+                      span: PrefillSpan, scale: float) -> torch.Tensor:
+    """Causal attention of one prefill chunk over its request's cached prefix and itself."""
+    n, start = q.shape[0], span.start_pos
+    if start == 0:
+        mask, is_causal = None, True
+    else:
+        ctx = start + n
+        blocks = kv_layer[span.block_ids]  # [nb, 2, bs, Hkv, D]
+        k = blocks[:, 0].reshape(-1, *k.shape[1:])[:ctx]
+        v = blocks[:, 1].reshape(-1, *v.shape[1:])[:ctx]
+        positions = torch.arange(ctx, device=q.device)
+        mask = positions[None, :] <= (start + torch.arange(n, device=q.device))[:, None]
+        is_causal = False
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+class DensePolicy(KVPolicy):
+    name = "dense"
+
+    def __init__(self, pool: KVPool, scale: float):
+        self.pool, self.scale = pool, scale
+        self.use_triton = pool.kv.is_cuda
+
+    def attend(self, layer, q, k, v):
+        kv_layer = self.pool.layer(layer)
+        meta = self.meta
+        write_kv(kv_layer, meta, k, v)
+        out = torch.empty_like(q)
+        nd = meta.num_decode
+        if nd:
+            decode = paged_decode_attention if self.use_triton else paged_decode_reference
+            out[:nd] = decode(q[:nd], kv_layer, meta.decode_block_tables, meta.decode_seq_lens, self.scale)
+        for span in meta.prefills:
+            s, e = span.token_start, span.token_end
+            out[s:e] = prefill_attention(q[s:e], k[s:e], v[s:e], kv_layer, span, self.scale)
+        return out
