@@ -52,8 +52,8 @@ def _block_scores_kernel(
     s_out_b,
     s_out_j,
     max_blocks,
-    HKV,
     D,
+    HKV: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -226,14 +226,23 @@ def block_scores(
         scores.stride(0),
         scores.stride(1),
         max_blocks,
-        hkv,
         d,
+        HKV=hkv,
         GROUP=hq // hkv,
         BLOCK_N=_BLOCK_N,
         BLOCK_D=triton.next_power_of_2(d),
         num_warps=4,
     )
     return scores
+
+
+def _unique_rank(key: torch.Tensor) -> torch.Tensor:
+    """int64 [B, M], ordered like fp32 ``key`` (descending wins), ties broken by lower column."""
+    key = torch.where(key == 0, 0.0, key)  # -0.0 == +0.0
+    bits = key.view(torch.int32)
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)  # monotone in key
+    j = torch.arange(key.shape[1], device=key.device, dtype=torch.int64)
+    return ordered * (1 << 32) + (key.shape[1] - 1 - j)
 
 
 def select_blocks(
@@ -252,9 +261,9 @@ def select_blocks(
       local window ``n-local_blocks .. n-1`` (its last block is the tail block), and the
       highest-scored of the remaining blocks to fill the budget.
 
-    Ties: among equal scores the lower logical block id wins (stable descending sort), the
-    same on CPU and GPU. NaN scores rank below every finite score, ``-inf`` scores below
-    finite ones; ``+inf`` scores rank as the largest finite score, so forced blocks always win.
+    Ties: among equal scores the lower logical block id wins (keys made unique before
+    ``torch.topk``), the same on CPU and GPU. NaN and ``-inf`` scores rank as the lowest
+    finite score, ``+inf`` scores as the largest finite one, so forced blocks always win.
 
     Args:
         scores: [B, max_blocks] float (e.g. from :func:`block_scores`); entries at
@@ -310,12 +319,13 @@ def select_blocks(
     key = torch.nan_to_num(scores.float(), nan=-big, posinf=big, neginf=-big)
     key = key.masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf"))
     # Valid blocks rank strictly above invalid ones and forced ones strictly above the rest,
-    # so the first min(n, budget) entries of each row are the selection.
+    # so the top min(n, budget) entries of each row are the selection. Make every key unique
+    # (score first, then the lower block id) so topk's set is deterministic on any device.
     k = min(budget_blocks, max_blocks)
-    order = torch.sort(key, dim=1, descending=True, stable=True).indices[:, :k]
+    order = torch.topk(_unique_rank(key), k, dim=1, sorted=False).indices
+    # the top k hold min(n, budget) valid blocks; push the invalid ones to the end
+    chosen = order.masked_fill(order >= n, max_blocks).sort(dim=1).values
     counts = counts_host.to(dev)
-    col = torch.arange(k, device=dev)[None, :]
-    chosen = order.masked_fill(col >= counts[:, None], max_blocks).sort(dim=1).values
     rows = torch.repeat_interleave(torch.arange(bsz, device=dev), counts, output_size=nnz)
     cols = torch.arange(nnz, device=dev) - indptr_host[:-1].to(dev)[rows]
     return indptr, chosen[rows, cols].to(torch.int32)
