@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from oasiskv.kernels import block_select
-from oasiskv.kernels.block_select import block_scores, block_scores_reference, select_blocks
+from oasiskv.kernels.block_select import (
+    block_scores,
+    block_scores_reference,
+    select_blocks,
+    select_blocks_padded,
+)
 from oasiskv.kernels.block_summary import update_block_summaries
 
 
@@ -178,6 +183,13 @@ def test_select_blocks_matches_brute_force(budget, sink, local, ties):
     assert indptr.dtype == torch.int32 and indices.dtype == torch.int32
     assert indptr.tolist() == exp_indptr
     assert indices.tolist() == exp_indices
+    counts, padded = select_blocks_padded(scores, nb, budget, sink, local)
+    assert counts.dtype == torch.int32 and padded.dtype == torch.int32
+    assert padded.shape == (len(nb), min(budget, max_blocks))
+    for b in range(len(nb)):
+        row = exp_indices[exp_indptr[b] : exp_indptr[b + 1]]
+        assert int(counts[b]) == len(row)
+        assert padded[b].tolist() == row + [-1] * (padded.shape[1] - len(row))
 
 
 def test_select_blocks_ties_prefer_lower_ids_and_forced_beat_infinity():
@@ -217,3 +229,13 @@ def test_select_blocks_bad_arguments_raise():
         select_blocks(scores, nb[:1], 4, 1, 1)
     with pytest.raises(ValueError, match="scores must be"):
         select_blocks(scores[0], nb, 4, 1, 1)
+
+
+def test_select_blocks_empty_shapes():
+    indptr, indices = select_blocks(torch.zeros(0, 5), torch.zeros(0, dtype=torch.int32), 4, 1, 1)
+    assert indptr.tolist() == [0] and indices.numel() == 0
+    nb = torch.zeros(2, dtype=torch.int32)
+    indptr, indices = select_blocks(torch.zeros(2, 0), nb, 4, 1, 1)
+    assert indptr.tolist() == [0, 0, 0] and indices.numel() == 0
+    counts, padded = select_blocks_padded(torch.zeros(2, 0), nb, 4, 1, 1)
+    assert counts.tolist() == [0, 0] and padded.shape == (2, 0)

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["block_scores", "block_scores_reference", "select_blocks"]
+__all__ = ["block_scores", "block_scores_reference", "select_blocks", "select_blocks_padded"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _BLOCK_N = 32  # logical blocks per program
@@ -145,7 +145,8 @@ def block_scores_reference(
 ) -> torch.Tensor:
     """Torch twin of :func:`block_scores` (same arguments and result).
 
-    Uses ``max(q*mn, q*mx) = relu(q)*mx + min(q, 0)*mn`` so that each KV head is two matmuls.
+    Uses ``max(q*mn, q*mx) = relu(q)*mx + min(q, 0)*mn`` so that each KV head is two matmuls;
+    that identity needs ``mn <= mx``, which real summaries satisfy (the kernel uses the max form).
     """
     _check_args(q, summaries, block_tables, num_blocks_per_seq)
     _check_values(summaries, block_tables, num_blocks_per_seq)
@@ -236,13 +237,85 @@ def block_scores(
     return scores
 
 
-def _unique_rank(key: torch.Tensor) -> torch.Tensor:
-    """int64 [B, M], ordered like fp32 ``key`` (descending wins), ties broken by lower column."""
-    key = torch.where(key == 0, 0.0, key)  # -0.0 == +0.0
+
+def _check_select_args(scores, num_blocks_per_seq, budget_blocks, sink_blocks, local_blocks):
+    if scores.dim() != 2 or not scores.is_floating_point():
+        raise ValueError(f"scores must be a float [B, max_blocks] tensor, got {scores.dtype} {tuple(scores.shape)}")
+    bsz = scores.shape[0]
+    if (
+        num_blocks_per_seq.dim() != 1
+        or num_blocks_per_seq.shape[0] != bsz
+        or num_blocks_per_seq.is_floating_point()
+    ):
+        raise ValueError(
+            f"num_blocks_per_seq must be an integer [B={bsz}] tensor, got {num_blocks_per_seq.dtype} "
+            f"{tuple(num_blocks_per_seq.shape)}"
+        )
+    if budget_blocks < 1 or sink_blocks < 0 or local_blocks < 1:
+        raise ValueError(
+            f"need budget_blocks >= 1, sink_blocks >= 0, local_blocks >= 1; got "
+            f"{budget_blocks}, {sink_blocks}, {local_blocks}"
+        )
+    if sink_blocks + local_blocks > budget_blocks:
+        raise ValueError(
+            f"sink_blocks + local_blocks ({sink_blocks} + {local_blocks}) exceeds budget_blocks ({budget_blocks})"
+        )
+
+
+def _check_select_values(n: torch.Tensor, max_blocks: int) -> None:
+    if n.numel() and (int(n.min()) < 0 or int(n.max()) > max_blocks):
+        raise ValueError(
+            f"num_blocks_per_seq must be in [0, {max_blocks}], got values in [{int(n.min())}, {int(n.max())}]"
+        )
+
+
+def select_blocks_padded(
+    scores: torch.Tensor,
+    num_blocks_per_seq: torch.Tensor,
+    budget_blocks: int,
+    sink_blocks: int,
+    local_blocks: int,
+    *,
+    check_values: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`select_blocks` as a padded [B, K] table: no host sync, CUDA-graph capturable.
+
+    Same selection rule and tie-break as :func:`select_blocks`. With ``num_blocks_per_seq``
+    on ``scores.device`` nothing waits on the device (values are then only checked when
+    ``check_values=True``; on the CPU they are always checked).
+
+    Returns:
+        ``(counts, indices)`` on ``scores.device``: int32 [B] with ``counts[b] =
+        min(n_b, budget_blocks)``, and int32 [B, K], ``K = min(budget_blocks, max_blocks)``,
+        row b holding its ``counts[b]`` logical block ids ascending, then ``-1`` padding.
+    """
+    _check_select_args(scores, num_blocks_per_seq, budget_blocks, sink_blocks, local_blocks)
+    bsz, max_blocks = scores.shape
+    dev = scores.device
+    if check_values if check_values is not None else num_blocks_per_seq.device.type == "cpu":
+        _check_select_values(num_blocks_per_seq, max_blocks)
+    n = num_blocks_per_seq.to(device=dev, dtype=torch.int64)
+    counts = n.clamp(max=budget_blocks).to(torch.int32)
+    k = min(budget_blocks, max_blocks)
+    if bsz == 0 or k == 0:
+        return counts, torch.empty((bsz, k), dtype=torch.int32, device=dev)
+    n = n[:, None]
+    j = torch.arange(max_blocks, device=dev)
+    # rank: int64, ordered like the fp32 score, ties to the lower block id, all keys distinct,
+    # so the set topk returns is the same on every device.
+    big = torch.finfo(torch.float32).max
+    key = torch.nan_to_num(scores.float(), nan=-big, posinf=big, neginf=-big) + 0.0  # -0.0 -> +0.0
     bits = key.view(torch.int32)
-    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)  # monotone in key
-    j = torch.arange(key.shape[1], device=key.device, dtype=torch.int64)
-    return ordered * (1 << 32) + (key.shape[1] - 1 - j)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # order-preserving float -> int
+    rank = ordered.to(torch.int64) * (1 << 32) + (max_blocks - 1 - j)
+    # forced blocks (sink, local window with the tail) above every score, invalid ones below
+    forced = (j < sink_blocks) | (j >= n - local_blocks)
+    rank = rank.masked_fill(forced, torch.iinfo(torch.int64).max)
+    rank = rank.masked_fill(j >= n, torch.iinfo(torch.int64).min)
+    # the top k hold all min(n, budget) selected blocks; push the invalid ones to the end
+    order = torch.topk(rank, k, dim=1, sorted=False).indices
+    chosen = order.masked_fill(order >= n, max_blocks).sort(dim=1).values
+    return counts, chosen.masked_fill(chosen == max_blocks, -1).to(torch.int32)
 
 
 def select_blocks(
@@ -278,54 +351,22 @@ def select_blocks(
     Returns:
         ``(indptr, indices)`` on ``scores.device``: int32 [B+1] and int32 [nnz], ids sorted
         ascending within each sequence; ``nnz = sum_b min(n_b, budget_blocks)``.
+        :func:`select_blocks_padded` gives the same as a fixed-shape table, without a sync.
     """
-    if scores.dim() != 2 or not scores.is_floating_point():
-        raise ValueError(f"scores must be a float [B, max_blocks] tensor, got {scores.dtype} {tuple(scores.shape)}")
+    _check_select_args(scores, num_blocks_per_seq, budget_blocks, sink_blocks, local_blocks)
     bsz, max_blocks = scores.shape
-    if num_blocks_per_seq.dim() != 1 or num_blocks_per_seq.shape[0] != bsz or num_blocks_per_seq.is_floating_point():
-        raise ValueError(
-            f"num_blocks_per_seq must be an integer [B={bsz}] tensor, got {num_blocks_per_seq.dtype} "
-            f"{tuple(num_blocks_per_seq.shape)}"
-        )
-    if budget_blocks < 1 or sink_blocks < 0 or local_blocks < 1:
-        raise ValueError(
-            f"need budget_blocks >= 1, sink_blocks >= 0, local_blocks >= 1; got "
-            f"{budget_blocks}, {sink_blocks}, {local_blocks}"
-        )
-    if sink_blocks + local_blocks > budget_blocks:
-        raise ValueError(
-            f"sink_blocks + local_blocks ({sink_blocks} + {local_blocks}) exceeds budget_blocks ({budget_blocks})"
-        )
     dev = scores.device
     n_host = num_blocks_per_seq.to("cpu", torch.int64)
-    if bsz and (int(n_host.min()) < 0 or int(n_host.max()) > max_blocks):
-        raise ValueError(
-            f"num_blocks_per_seq must be in [0, {max_blocks}], got values in "
-            f"[{int(n_host.min())}, {int(n_host.max())}]"
-        )
-    counts_host = n_host.clamp(max=budget_blocks)
+    _check_select_values(n_host, max_blocks)
     indptr_host = torch.zeros(bsz + 1, dtype=torch.int64)
-    torch.cumsum(counts_host, dim=0, out=indptr_host[1:])
+    torch.cumsum(n_host.clamp(max=budget_blocks), dim=0, out=indptr_host[1:])
     nnz = int(indptr_host[-1])
     indptr = indptr_host.to(device=dev, dtype=torch.int32)
     if nnz == 0:
         return indptr, torch.empty(0, dtype=torch.int32, device=dev)
-
-    n = n_host.to(dev)[:, None]
-    j = torch.arange(max_blocks, device=dev)[None, :]
-    valid = j < n
-    forced = valid & ((j < sink_blocks) | (j >= n - local_blocks))
-    big = torch.finfo(torch.float32).max
-    key = torch.nan_to_num(scores.float(), nan=-big, posinf=big, neginf=-big)
-    key = key.masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf"))
-    # Valid blocks rank strictly above invalid ones and forced ones strictly above the rest,
-    # so the top min(n, budget) entries of each row are the selection. Make every key unique
-    # (score first, then the lower block id) so topk's set is deterministic on any device.
-    k = min(budget_blocks, max_blocks)
-    order = torch.topk(_unique_rank(key), k, dim=1, sorted=False).indices
-    # the top k hold min(n, budget) valid blocks; push the invalid ones to the end
-    chosen = order.masked_fill(order >= n, max_blocks).sort(dim=1).values
-    counts = counts_host.to(dev)
-    rows = torch.repeat_interleave(torch.arange(bsz, device=dev), counts, output_size=nnz)
-    cols = torch.arange(nnz, device=dev) - indptr_host[:-1].to(dev)[rows]
-    return indptr, chosen[rows, cols].to(torch.int32)
+    counts, padded = select_blocks_padded(
+        scores, num_blocks_per_seq, budget_blocks, sink_blocks, local_blocks, check_values=False
+    )
+    rows = torch.repeat_interleave(torch.arange(bsz, device=dev), counts.long(), output_size=nnz)
+    cols = torch.arange(nnz, device=dev) - indptr[:-1].long()[rows]
+    return indptr, padded[rows, cols]
