@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,6 +132,11 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
+        for name in ("max_tokens", "top_k"):
+            if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        if not math.isfinite(self.temperature) or not math.isfinite(self.top_p):
+            raise ValueError(f"temperature and top_p must be finite, got {self.temperature}, {self.top_p}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:

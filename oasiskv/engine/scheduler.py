@@ -52,7 +52,8 @@ class Scheduler:
             raise ValueError("the prompt is empty")
         if n >= self.max_model_len:
             raise ValueError(f"prompt has {n} tokens; max_model_len is {self.max_model_len}")
-        longest = min(n + req.params.max_tokens, self.max_model_len)
+        # the last sampled token's K/V is never computed: the request ends as it is sampled
+        longest = min(n + req.params.max_tokens, self.max_model_len) - 1
         if self.blocks_for(longest) > self.allocator.num_blocks:
             raise ValueError(
                 f"request needs up to {self.blocks_for(longest)} KV blocks ({longest} tokens) but the pool "

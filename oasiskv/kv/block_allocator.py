@@ -30,9 +30,10 @@ class BlockAllocator:
         return ids
 
     def free(self, ids: list[int]) -> None:
+        bad = [i for i in ids if i not in self._used]
+        if bad or len(set(ids)) != len(ids):
+            raise ValueError(f"blocks {bad or ids} freed twice or never allocated")
         for i in ids:
-            if i not in self._used:
-                raise ValueError(f"block {i} freed twice or never allocated")
             self._used.remove(i)
             self._free.append(i)
 

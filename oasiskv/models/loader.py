@@ -7,6 +7,7 @@ import importlib.resources
 import importlib.util
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -93,8 +94,16 @@ def load_model(model: str | None, load_format: str, device: torch.device, dtype:
         tokenizer = HFTokenizer.from_gguf(location)
     else:
         load_weights(net, safetensors_tensors(location), show_progress)
-        tokenizer = HFTokenizer.from_dir(location)
+        tokenizer = dir_tokenizer(location)
     return LoadedModel(net.eval(), cfg, tokenizer, f"{kind}:{location}")
+
+
+def dir_tokenizer(directory: str) -> HFTokenizer | ByteTokenizer:
+    names = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    if any(os.path.isfile(os.path.join(directory, n)) for n in names):
+        return HFTokenizer.from_dir(directory)
+    warnings.warn(f"{directory} has no tokenizer files: text is read and shown as UTF-8 bytes (ids 0..255)")
+    return ByteTokenizer()
 
 
 def empty_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:

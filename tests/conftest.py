@@ -1,0 +1,37 @@
+"""Session fixtures: the embedded SmolLM2 model, loaded once by us and once by transformers."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def smollm_llm():
+    from oasiskv.api import LLM
+
+    return LLM(show_progress=False, max_num_batched_tokens=512, kv_cache_gb=0.25)
+
+
+@pytest.fixture(scope="session")
+def smollm_hf():
+    from transformers import AutoModelForCausalLM
+
+    from oasiskv.models.loader import embedded_default_path
+
+    path = embedded_default_path()
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm_hf_tokenizer():
+    from transformers import AutoTokenizer
+
+    from oasiskv.models.loader import embedded_default_path
+
+    path = embedded_default_path()
+    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))

@@ -1,0 +1,44 @@
+"""Shared test helpers: drive our runner by hand to read logits at every position."""
+from __future__ import annotations
+
+import torch
+
+from oasiskv.engine.runner import ModelRunner
+from oasiskv.engine.scheduler import ScheduledChunk, SchedulerOutput
+from oasiskv.kv.gpu_pool import KVPool
+from oasiskv.models.llama import CausalLM
+from oasiskv.policies.dense import DensePolicy
+
+BLOCK = 16
+
+
+def engine_logits(model: CausalLM, token_ids: list[int], prefill_chunks: list[int]) -> torch.Tensor:
+    """Logits at every position of token_ids, computed by our engine path: the prompt prefix is
+    prefilled in the given chunk sizes (chunked prefill), every later token is a decode step through
+    the paged KV cache. Returns [len(token_ids), vocab]."""
+    cfg = model.config
+    num_blocks = -(-len(token_ids) // BLOCK) + 2
+    pool = KVPool(cfg, num_blocks, BLOCK, next(model.parameters()).dtype, torch.device("cpu"))
+    # blocks handed out in reverse order so the block table is not the identity
+    block_ids = list(range(num_blocks - 1, -1, -1))
+    runner = ModelRunner(model, DensePolicy(pool, cfg.head_dim ** -0.5), BLOCK, torch.device("cpu"))
+    rows, pos = [], 0
+    sizes = list(prefill_chunks) + [1] * (len(token_ids) - sum(prefill_chunks))
+    for n in sizes:
+        chunk = ScheduledChunk("r", token_ids[pos:pos + n], pos, block_ids, sample=True)
+        rows.append(runner_logits_all(runner, chunk))
+        pos += n
+    return torch.cat(rows)
+
+
+def runner_logits_all(runner: ModelRunner, chunk: ScheduledChunk) -> torch.Tensor:
+    """Logits of every token of one chunk (the engine only keeps the last; tests want all)."""
+    ids, positions, meta = runner.prepare([chunk])
+    runner.policy.begin_step(meta)
+    with torch.inference_mode():
+        hidden, _ = runner.model(ids, positions, runner.policy)
+        return runner.model.logits(hidden)
+
+
+def plan(chunks: list[ScheduledChunk]) -> SchedulerOutput:
+    return SchedulerOutput(chunks=chunks)

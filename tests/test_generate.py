@@ -1,0 +1,120 @@
+"""End to end on the embedded SmolLM2: CLI vs transformers, batch invariance under preemption, bad input."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from oasiskv.api import LLM, SamplingParams
+
+PROMPTS = [
+    "The history of the Roman Empire",
+    "def quicksort(arr):",
+    "Q: What is 12 times 7?\nA:",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "List of prime numbers: 2, 3, 5,",
+    "Water boils at",
+    "The three primary colors are red,",
+    "In 1969, the Apollo 11 mission",
+]
+
+
+def hf_greedy(hf, prompt_ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                          pad_token_id=2)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def test_cli_generate_equals_transformers_greedy(smollm_hf, smollm_hf_tokenizer):
+    prompt = "The capital of France is Paris. The capital of Germany is"
+    proc = subprocess.run(
+        [sys.executable, "-m", "oasiskv.cli", "generate", "--prompt", prompt, "--max-tokens", "24",
+         "--temperature", "0", "--ignore-eos", "--json"],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    prompt_ids = smollm_hf_tokenizer.encode(prompt)
+    assert result["token_ids"] == hf_greedy(smollm_hf, prompt_ids, 24)
+    assert result["text"] == smollm_hf_tokenizer.decode(result["token_ids"], skip_special_tokens=True)
+    assert result["stats"]["output_tokens"] == 24 and result["stats"]["finish_reason"] == "length"
+
+
+def test_chat_answers_sensibly(smollm_llm):
+    out = smollm_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                          SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop"
+
+
+def test_batch_invariance_with_preemption_and_chunked_prefill(smollm_llm):
+    """8 requests of different lengths together, in a pool too small for all of them and with
+    prefill chunks of 32 tokens, give each one the greedy tokens it gets alone."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    tight = LLM(show_progress=False, num_kv_blocks=10, max_num_batched_tokens=32)
+    together = tight.generate(PROMPTS, params, use_tqdm=False)
+    assert tight.engine.stats.preemptions > 0
+    assert any(o.metrics["num_preemptions"] > 0 for o in together)
+    for prompt, out in zip(PROMPTS, together):
+        alone = smollm_llm.generate(prompt, params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids, prompt
+
+
+def test_stop_strings_and_max_tokens(smollm_llm):
+    out = smollm_llm.generate("1, 2, 3, 4, 5,", SamplingParams(temperature=0, max_tokens=30, stop=[" 9"]),
+                              use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].text.endswith("8,") and " 9" not in out.outputs[0].text
+    out = smollm_llm.generate("1, 2, 3,", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                              use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "length"
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(smollm_llm):
+    p = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, max_tokens=16, seed=1234, ignore_eos=True)
+    a = smollm_llm.generate(PROMPTS[0], p, use_tqdm=False)[0].outputs[0].token_ids
+    batch = smollm_llm.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2]],
+                                [SamplingParams(temperature=1.0, max_tokens=16), p,
+                                 SamplingParams(temperature=0.5, max_tokens=16, seed=7)], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == a
+
+
+def test_bad_request_is_rejected_and_others_keep_running(smollm_llm):
+    engine = smollm_llm.engine
+    good = engine.add_request("Hello, my name is", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    for bad_prompt, message in [("", "empty"), ([10**9], "out of range"), ([1] * 100000, "max_model_len")]:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request(bad_prompt, SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    while engine.has_unfinished():
+        engine.step()
+    out = engine.pop_finished(good)
+    assert len(out.output_token_ids) == 8 and out.finish_reason == "length"
+
+
+def test_generate_rejects_batch_with_a_bad_prompt_atomically(smollm_llm):
+    with pytest.raises(ValueError, match="prompt 1"):
+        smollm_llm.generate(["fine", ""], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not smollm_llm.engine.has_unfinished()
+
+
+def test_cli_reports_missing_model_clearly():
+    proc = subprocess.run([sys.executable, "-m", "oasiskv.cli", "generate", "--prompt", "x", "--model",
+                           "/no/such/model"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "not found" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_dummy_model_is_reproducible():
+    cmd = [sys.executable, "-m", "oasiskv.cli", "generate", "--model", "qwen3-0.6b", "--load-format", "dummy",
+           "--seed", "0", "--prompt", "hello", "--max-tokens", "4", "--temperature", "0", "--json",
+           "--kv-cache-gb", "0.05"]
+    runs = [subprocess.run(cmd, capture_output=True, text=True, timeout=600) for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-2000:]
+    a, b = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
+    assert a["token_ids"] == b["token_ids"] and len(a["token_ids"]) == 4
