@@ -22,7 +22,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("benchmark")
     g.add_argument("--input-len", type=int, default=16384)
     g.add_argument("--output-len", type=int, default=32)
-    g.add_argument("--batch-sizes", default="1,8,32", help="comma-separated")
+    g.add_argument("--batch-sizes", default="1,8,32",
+                   help="comma-separated; 'max' is the most requests of this length the KV memory holds at once")
+    g.add_argument("--warmup-steps", type=int, default=3, help="decode steps run before timing (kernel compiles)")
     g.add_argument("--hbm-gbps", type=float, default=HBM_GBPS, help="bandwidth ceiling to compare against")
     g.add_argument("--out", default="results/bench_throughput.json")
 
@@ -30,14 +32,15 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
 def run_from_args(args: argparse.Namespace, config: EngineConfig) -> list[dict]:
     from oasiskv.engine.engine import LLMEngine
 
-    batches = [int(b) for b in args.batch_sizes.split(",")]
-    need = max(batches)
     sched = config.scheduler
     config = config.replace(scheduler=type(sched)(
-        max_num_seqs=max(sched.max_num_seqs, need), max_num_batched_tokens=sched.max_num_batched_tokens,
+        max_num_seqs=max(sched.max_num_seqs, 1024), max_num_batched_tokens=sched.max_num_batched_tokens,
         max_model_len=sched.max_model_len or args.input_len + args.output_len + 16))
     engine = LLMEngine(config)
-    rows = [bench_one(engine, b, args.input_len, args.output_len, args.hbm_gbps) for b in batches]
+    fit = engine.max_concurrency(args.input_len + args.output_len)
+    batches = [fit if b == "max" else int(b) for b in args.batch_sizes.split(",")]
+    rows = [bench_one(engine, b, args.input_len, args.output_len, args.hbm_gbps, args.warmup_steps)
+            for b in batches]
     print_table(rows, engine)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
@@ -47,7 +50,7 @@ def run_from_args(args: argparse.Namespace, config: EngineConfig) -> list[dict]:
     return rows
 
 
-def bench_one(engine, batch: int, input_len: int, output_len: int, hbm_gbps: float) -> dict:
+def bench_one(engine, batch: int, input_len: int, output_len: int, hbm_gbps: float, warmup: int) -> dict:
     gen = torch.Generator().manual_seed(batch)
     vocab = min(engine.model_config.vocab_size, 32000)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -60,6 +63,8 @@ def bench_one(engine, batch: int, input_len: int, output_len: int, hbm_gbps: flo
     prefill_s = time.perf_counter() - t0
     if engine.scheduler.waiting:
         raise RuntimeError(f"batch {batch} does not fit the KV pool at once; lower the batch or raise memory")
+    for _ in range(warmup):
+        engine.step()
     weights, per_token = engine.weights_bytes(), engine.kv_bytes_per_token
     steps, bytes_read, decode_s = 0, 0, 0.0
     while engine.has_unfinished():
@@ -74,7 +79,7 @@ def bench_one(engine, batch: int, input_len: int, output_len: int, hbm_gbps: flo
         engine.pop_finished(i)
     tokens = steps * batch
     return {
-        "batch": batch, "context": input_len, "decode_steps": steps, "prefill_s": round(prefill_s, 3),
+        "mode": engine.policy.name, "batch": batch, "context": input_len, "decode_steps": steps, "prefill_s": round(prefill_s, 3),
         "decode_s": round(decode_s, 4), "decode_tok_s": round(tokens / decode_s, 1),
         "step_ms": round(1000 * decode_s / steps, 3), "bytes_per_step_gb": round(bytes_read / steps / 1e9, 3),
         "achieved_gbps": round(bytes_read / decode_s / 1e9, 1),
@@ -89,7 +94,7 @@ def device_name(device: torch.device) -> str:
 def print_table(rows: list[dict], engine) -> None:
     print(f"\nmodel {engine.model_source}  device {device_name(engine.device)}  dtype {engine.dtype}  "
           f"KV pool {engine.pool.num_blocks} blocks ({engine.pool.nbytes / 2**30:.1f} GiB)")
-    cols = ["batch", "context", "decode_steps", "prefill_s", "step_ms", "decode_tok_s", "bytes_per_step_gb",
+    cols = ["mode", "batch", "context", "decode_steps", "prefill_s", "step_ms", "decode_tok_s", "bytes_per_step_gb",
             "achieved_gbps", "roofline_pct"]
     print(" ".join(f"{c:>17}" for c in cols))
     for r in rows:

@@ -6,7 +6,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from oasiskv.config import EngineConfig, SamplingParams
 from oasiskv.engine.request import Request
@@ -16,7 +15,7 @@ from oasiskv.engine.scheduler import Scheduler
 from oasiskv.kv.block_allocator import BlockAllocator
 from oasiskv.kv.gpu_pool import KVPool, bytes_per_block, plan_num_blocks
 from oasiskv.models.loader import load_model
-from oasiskv.policies.dense import DensePolicy
+from oasiskv.policies.dense import DensePolicy, causal_attention
 
 
 @dataclass
@@ -93,6 +92,10 @@ class LLMEngine:
         peak = torch.cuda.max_memory_allocated() - base
         torch.cuda.empty_cache()
         return int(peak * 1.2) + (256 << 20)
+
+    def max_concurrency(self, tokens_per_request: int) -> int:
+        """How many requests of this many tokens the KV pool holds at once."""
+        return self.pool.num_blocks // -(-tokens_per_request // self.block_size)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -194,9 +197,7 @@ class LLMEngine:
 
 
 class _NoCacheCausal:
-    """Attention without a cache, for the memory-profiling pass."""
+    """Attention without a cache, for the memory-profiling pass: the same kernels prefill uses."""
 
     def attend(self, layer, q, k, v):
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             is_causal=True, enable_gqa=True)
-        return out.transpose(0, 1)
+        return causal_attention(q, k, v, q.shape[-1] ** -0.5)

@@ -57,6 +57,7 @@ class ModelRunner:
             num_decode=num_decode,
             decode_block_tables=block_table_tensor([c.block_ids for c in decodes]).to(dev, non_blocking=True),
             decode_seq_lens=torch.tensor([c.start + 1 for c in decodes], dtype=torch.int32).to(dev, non_blocking=True),
+            decode_max_seq_len=max((c.start + 1 for c in decodes), default=0),
             prefills=self.prefill_spans(prefills, num_decode),
         )
         return (torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True), pos_t.to(dev, non_blocking=True),

@@ -27,6 +27,7 @@ class AttentionMetadata:
     num_decode: int
     decode_block_tables: torch.Tensor  # int32 [num_decode, max_blocks]
     decode_seq_lens: torch.Tensor  # int32 [num_decode], the new token included
+    decode_max_seq_len: int  # host copy of decode_seq_lens.max(): kernels size their grid without a sync
     prefills: list[PrefillSpan]
 
 

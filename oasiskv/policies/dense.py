@@ -19,18 +19,29 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_laye
     """Causal attention of one prefill chunk over its request's cached prefix and itself."""
     n, start = q.shape[0], span.start_pos
     if start == 0:
-        mask, is_causal = None, True
-    else:
-        ctx = start + n
-        blocks = kv_layer[span.block_ids]  # [nb, 2, bs, Hkv, D]
-        k = blocks[:, 0].reshape(-1, *k.shape[1:])[:ctx]
-        v = blocks[:, 1].reshape(-1, *v.shape[1:])[:ctx]
-        positions = torch.arange(ctx, device=q.device)
-        mask = positions[None, :] <= (start + torch.arange(n, device=q.device))[:, None]
-        is_causal = False
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+        return causal_attention(q, k, v, scale)
+    ctx = start + n
+    blocks = kv_layer[span.block_ids]  # [nb, 2, bs, Hkv, D]
+    k = blocks[:, 0].reshape(-1, *k.shape[1:])[:ctx]
+    v = blocks[:, 1].reshape(-1, *v.shape[1:])[:ctx]
+    positions = torch.arange(ctx, device=q.device)
+    mask = positions[None, :] <= (start + torch.arange(n, device=q.device))[:, None]
+    return sdpa(q, k, v, scale, mask=mask)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    return sdpa(q, k, v, scale, causal=True)
+
+
+def sdpa(q, k, v, scale, mask=None, causal=False) -> torch.Tensor:
+    """q [n, Hq, D], k/v [ctx, Hkv, D] -> [n, Hq, D]. K/V heads are expanded and inputs made 4-D so
+    that CUDA picks the flash (causal) or memory-efficient (masked) kernel, never the O(n^2) math path."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         attn_mask=mask, is_causal=causal, scale=scale)
+    return out[0].transpose(0, 1)
 
 
 class DensePolicy(KVPolicy):
@@ -47,8 +58,11 @@ class DensePolicy(KVPolicy):
         out = torch.empty_like(q)
         nd = meta.num_decode
         if nd:
-            decode = paged_decode_attention if self.use_triton else paged_decode_reference
-            out[:nd] = decode(q[:nd], kv_layer, meta.decode_block_tables, meta.decode_seq_lens, self.scale)
+            args = (q[:nd], kv_layer, meta.decode_block_tables, meta.decode_seq_lens, self.scale)
+            if self.use_triton:
+                out[:nd] = paged_decode_attention(*args, max_seq_len=meta.decode_max_seq_len)
+            else:
+                out[:nd] = paged_decode_reference(*args)
         for span in meta.prefills:
             s, e = span.token_start, span.token_end
             out[s:e] = prefill_attention(q[s:e], k[s:e], v[s:e], kv_layer, span, self.scale)
