@@ -7,7 +7,7 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
-from oasiskv.config import CacheConfig, EngineConfig, SamplingParams, SchedulerConfig
+from oasiskv.config import CacheConfig, EngineConfig, KVConfig, SamplingParams, SchedulerConfig
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.engine.request import Request
 
@@ -44,11 +44,12 @@ class RequestOutput:
 
 def split_kwargs(kwargs: dict) -> EngineConfig:
     """Accepts flat vLLM-style keyword arguments and sorts them into the config chain."""
-    sections = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+    sections = {"cache": CacheConfig, "scheduler": SchedulerConfig, "kv": KVConfig}
     nested = {name: {} for name in sections}
     top = {}
-    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)} - set(sections)
     for key, value in kwargs.items():
+        key = {"kv_mode": "mode", "kv_budget": "budget"}.get(key, key)
         owner = next((n for n, c in sections.items() if key in {f.name for f in dataclasses.fields(c)}), None)
         if owner:
             nested[owner][key] = value

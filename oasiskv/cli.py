@@ -5,9 +5,9 @@ import argparse
 import json
 import sys
 
-from oasiskv.config import CacheConfig, EngineConfig, SamplingParams, SchedulerConfig
+from oasiskv.config import KV_MODES, CacheConfig, EngineConfig, KVConfig, SamplingParams, SchedulerConfig
 
-ENGINE_DEFAULTS, CACHE_DEFAULTS, SCHED_DEFAULTS = EngineConfig(), CacheConfig(), SchedulerConfig()
+ENGINE_DEFAULTS, CACHE_DEFAULTS, SCHED_DEFAULTS, KV_DEFAULTS = EngineConfig(), CacheConfig(), SchedulerConfig(), KVConfig()
 SAMPLING_DEFAULTS = SamplingParams()
 
 
@@ -28,6 +28,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=SCHED_DEFAULTS.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=SCHED_DEFAULTS.max_num_batched_tokens)
     g.add_argument("--max-model-len", type=int, default=SCHED_DEFAULTS.max_model_len)
+    k = p.add_argument_group("sparse KV")
+    k.add_argument("--kv-mode", default=KV_DEFAULTS.mode, choices=KV_MODES)
+    k.add_argument("--kv-budget", type=int, default=KV_DEFAULTS.budget, help="KV tokens per request per layer")
+    k.add_argument("--sink-blocks", type=int, default=KV_DEFAULTS.sink_blocks)
+    k.add_argument("--local-blocks", type=int, default=KV_DEFAULTS.local_blocks, help="counted inside the budget")
+    k.add_argument("--dense-layers", type=int, default=KV_DEFAULTS.dense_layers, help="first N layers stay dense")
+    k.add_argument("--host-kv-gb", type=float, default=KV_DEFAULTS.host_kv_gb,
+                   help="host store size (default: what the machine can spare)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -38,8 +46,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         num_kv_blocks=args.num_kv_blocks)
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             max_model_len=args.max_model_len)
+    kv = KVConfig(mode=args.kv_mode, budget=args.kv_budget, sink_blocks=args.sink_blocks,
+                  local_blocks=args.local_blocks, dense_layers=args.dense_layers, host_kv_gb=args.host_kv_gb)
     return EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
-                        seed=args.seed, cache=cache, scheduler=sched, show_progress=True)
+                        seed=args.seed, cache=cache, kv=kv, scheduler=sched, show_progress=True)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -81,7 +91,7 @@ def cmd_generate(args) -> None:
         out = llm.generate(prompt, params, use_tqdm=False)[0]
     except ValueError as e:
         raise SystemExit(f"error: {e}")
-    stats = {**llm.engine.stats.as_dict(), **out.metrics, "finish_reason": out.outputs[0].finish_reason,
+    stats = {**llm.engine.stats_dict(), **out.metrics, "finish_reason": out.outputs[0].finish_reason,
              "prompt_tokens": len(out.prompt_token_ids), "output_tokens": len(out.outputs[0].token_ids)}
     if args.json:
         print(json.dumps({"text": out.outputs[0].text, "token_ids": out.outputs[0].token_ids, "stats": stats}))

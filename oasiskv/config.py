@@ -86,6 +86,41 @@ class CacheConfig:
     cpu_kv_cache_gb: float = 2.0  # default pool cap on machines without a GPU
 
 
+KV_MODES = ("dense", "quest", "retrieval")
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    """Where KV lives and what a decode query attends to (see shared/DESIGN.md, 'One engine, several
+    policies'). Budgets are in tokens per request per layer; sink and local blocks count inside it."""
+
+    mode: str = "dense"
+    budget: int = 2048
+    sink_blocks: int = 1
+    local_blocks: int = 4
+    dense_layers: int = 0  # the first N layers attend densely (quest mode)
+    host_kv_gb: float | None = None  # host store size; default: what the machine can spare
+
+    def validate(self, block_size: int, num_layers: int) -> None:
+        if self.mode not in KV_MODES:
+            raise ValueError(f"--kv-mode must be one of {', '.join(KV_MODES)}, got {self.mode!r}")
+        if self.budget % block_size or self.budget < block_size:
+            raise ValueError(f"--kv-budget must be a positive multiple of the block size {block_size}, got {self.budget}")
+        if self.sink_blocks < 0 or self.local_blocks < 1:
+            raise ValueError("--sink-blocks must be >= 0 and --local-blocks >= 1 (the tail block is local)")
+        if (self.sink_blocks + self.local_blocks) * block_size > self.budget:
+            raise ValueError(f"sink ({self.sink_blocks}) + local ({self.local_blocks}) blocks exceed the budget "
+                             f"of {self.budget // block_size} blocks")
+        if not 0 <= self.dense_layers <= num_layers:
+            raise ValueError(f"--dense-layers must be in [0, {num_layers}], got {self.dense_layers}")
+        if self.dense_layers and self.mode == "retrieval":
+            raise ValueError("--dense-layers is supported in quest mode only (retrieval keeps no full KV on the GPU)")
+
+    @property
+    def offloaded(self) -> bool:
+        return self.mode == "retrieval"
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
@@ -102,6 +137,7 @@ class EngineConfig:
     seed: int = 0  # seeds dummy weights and unseeded sampling
     tokenizer: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
+    kv: KVConfig = field(default_factory=KVConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     show_progress: bool = True
 

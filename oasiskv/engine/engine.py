@@ -1,6 +1,7 @@
 """The engine loop: requests in, one scheduler plan and one model step at a time, outputs out."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -12,10 +13,10 @@ from oasiskv.engine.request import Request
 from oasiskv.engine.runner import ModelRunner
 from oasiskv.engine.sampler import Sampler
 from oasiskv.engine.scheduler import Scheduler
-from oasiskv.kv.block_allocator import BlockAllocator
-from oasiskv.kv.gpu_pool import KVPool, bytes_per_block, plan_num_blocks
+from oasiskv.kv.gpu_pool import bytes_per_block, plan_num_blocks
+from oasiskv.policies.factory import build_kv
 from oasiskv.models.loader import load_model
-from oasiskv.policies.dense import DensePolicy, causal_attention
+from oasiskv.policies.dense import causal_attention
 
 
 @dataclass
@@ -60,12 +61,17 @@ class LLMEngine:
         self.model_source = loaded.source
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.block_size = config.cache.block_size
-        num_blocks = plan_num_blocks(self.model_config, config.cache, self.dtype, self.device,
+        gpu_cache = config.cache
+        if config.kv.offloaded:  # --num-kv-blocks then sizes the host store; the GPU keeps its default
+            gpu_cache = dataclasses.replace(gpu_cache, num_kv_blocks=None)
+        gpu_blocks = plan_num_blocks(self.model_config, gpu_cache, self.dtype, self.device,
                                      self.weights_bytes(), self.profile_activation_bytes())
-        self.pool = KVPool(self.model_config, num_blocks, self.block_size, self.dtype, self.device)
-        self.allocator = BlockAllocator(num_blocks)
-        self.scheduler = Scheduler(config.scheduler, self.allocator, self.block_size, self.max_model_len)
-        self.policy = DensePolicy(self.pool, self.model_config.head_dim ** -0.5)
+        kv = build_kv(self.model_config, config.cache, config.kv, gpu_blocks, self.max_model_len,
+                      config.scheduler.max_num_seqs, self.dtype, self.device)
+        self.pool, self.host, self.policy, self.allocator = kv.pool, kv.host, kv.policy, kv.allocator
+        self.kv_description = kv.description
+        sched_cfg = dataclasses.replace(config.scheduler, max_num_seqs=kv.max_running)
+        self.scheduler = Scheduler(sched_cfg, self.allocator, self.block_size, self.max_model_len)
         self.runner = ModelRunner(self.model, self.policy, self.block_size, self.device)
         self.sampler = Sampler(self.device, config.seed)
         self.requests: dict[str, Request] = {}
@@ -78,7 +84,7 @@ class LLMEngine:
 
     def profile_activation_bytes(self) -> int:
         """Peak activation memory of one full-size prefill step, measured (GPU only)."""
-        if self.device.type != "cuda" or self.config.cache.kv_cache_gb or self.config.cache.num_kv_blocks:
+        if self.device.type != "cuda" or self.config.cache.kv_cache_gb:
             return 0
         n = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
         torch.cuda.synchronize()
@@ -93,9 +99,13 @@ class LLMEngine:
         torch.cuda.empty_cache()
         return int(peak * 1.2) + (256 << 20)
 
+    def stats_dict(self) -> dict:
+        return {"kv_mode": self.policy.name, **self.stats.as_dict(), **self.policy.stats()}
+
     def max_concurrency(self, tokens_per_request: int) -> int:
-        """How many requests of this many tokens the KV pool holds at once."""
-        return self.pool.num_blocks // -(-tokens_per_request // self.block_size)
+        """How many requests of this many tokens the KV memory (pool or host store) holds at once."""
+        fit = self.allocator.num_blocks // -(-tokens_per_request // self.block_size)
+        return min(fit, self.scheduler.cfg.max_num_seqs)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -124,6 +134,7 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is not None and not req.finished:
             self.scheduler.finish(req, "abort")
+            self.policy.release(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -133,6 +144,8 @@ class LLMEngine:
         """One scheduler plan, one forward pass. Returns the requests that finished in this step."""
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
+        for rid in plan.preempted:
+            self.policy.release(rid)
         if not plan.chunks:
             return []
         t0 = time.perf_counter()
@@ -164,6 +177,7 @@ class LLMEngine:
         if reason is None:
             return False
         self.scheduler.finish(req, reason)
+        self.policy.release(req.request_id)
         self.sampler.forget(req.request_id)
         req.finish_time = now
         if reason != "stop_string":

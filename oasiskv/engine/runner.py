@@ -59,6 +59,7 @@ class ModelRunner:
             decode_seq_lens=torch.tensor([c.start + 1 for c in decodes], dtype=torch.int32).to(dev, non_blocking=True),
             decode_max_seq_len=max((c.start + 1 for c in decodes), default=0),
             prefills=self.prefill_spans(prefills, num_decode),
+            decode_request_ids=[c.request_id for c in decodes],
         )
         return (torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True), pos_t.to(dev, non_blocking=True),
                 meta)

@@ -29,6 +29,7 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor  # int32 [num_decode], the new token included
     decode_max_seq_len: int  # host copy of decode_seq_lens.max(): kernels size their grid without a sync
     prefills: list[PrefillSpan]
+    decode_request_ids: list[str]
 
 
 class KVPolicy:
@@ -41,3 +42,9 @@ class KVPolicy:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def release(self, request_id: str) -> None:
+        """The request finished or was preempted: drop whatever the policy keeps for it."""
+
+    def stats(self) -> dict:
+        return {}

@@ -1,0 +1,51 @@
+"""The host store: every running request's full KV in (pinned) host memory, block-granular, laid
+out [layers, blocks, 2, block_size, kv_heads, head_dim] so one (layer, block) is one contiguous chunk."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from oasiskv.config import ModelConfig
+
+GiB = 1 << 30
+
+
+def spare_host_bytes(reserve_gb: float = 8.0) -> int:
+    """Host memory we may take by default: what is available now, less a reserve for the rest."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        available = info.get("MemAvailable", info["MemTotal"])
+    except (OSError, KeyError, ValueError):
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return max(0, int(available - reserve_gb * GiB))
+
+
+class HostStore:
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, pin: bool):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (cfg.num_layers, num_blocks, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv = torch.empty(shape, dtype=dtype, pin_memory=pin)
+
+    def layer(self, i: int) -> torch.Tensor:
+        return self.kv[i]
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.kv[0, 0].numel() * self.kv.element_size()
+
+    def write_tokens(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> None:
+        """Prefill writes: token i's K/V to (blocks[i], offsets[i]) of this layer."""
+        kv = self.kv[layer]
+        blocks, offsets = blocks.cpu(), offsets.cpu()
+        kv[blocks, 0, offsets] = k.to("cpu", non_blocking=False)
+        kv[blocks, 1, offsets] = v.to("cpu", non_blocking=False)
+
+    def read_prefix(self, layer: int, blocks: torch.Tensor, num_tokens: int, device: torch.device):
+        """K and V of the first num_tokens tokens stored in these blocks: [num_tokens, Hkv, D] each."""
+        chunk = self.kv[layer][blocks.cpu()].to(device)
+        k = chunk[:, 0].reshape(-1, *chunk.shape[-2:])[:num_tokens]
+        v = chunk[:, 1].reshape(-1, *chunk.shape[-2:])[:num_tokens]
+        return k, v

@@ -1,0 +1,78 @@
+"""Builds the KV storage and the policy for a --kv-mode, and sizes them from the memory budgets."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from oasiskv.config import CacheConfig, KVConfig, ModelConfig
+from oasiskv.kv.block_allocator import BlockAllocator
+from oasiskv.kv.gpu_pool import GiB, KVPool, bytes_per_block
+from oasiskv.kv.host_store import HostStore, spare_host_bytes
+from oasiskv.kv.summaries import BlockSummaries
+from oasiskv.kv.working_set import WorkingSet
+from oasiskv.policies.base import KVPolicy
+from oasiskv.policies.dense import DensePolicy
+from oasiskv.policies.sparse import QuestPolicy, RetrievalPolicy
+
+
+@dataclass
+class KVSetup:
+    policy: KVPolicy
+    allocator: BlockAllocator  # hands out the block ids the scheduler tracks (pool or host store)
+    max_running: int  # requests that can run at once (retrieval: working-set rows)
+    pool: KVPool
+    host: HostStore | None
+    description: str
+
+
+def build_kv(model_cfg: ModelConfig, cache: CacheConfig, kv: KVConfig, gpu_kv_blocks: int, max_model_len: int,
+             max_num_seqs: int, dtype: torch.dtype, device: torch.device) -> KVSetup:
+    """gpu_kv_blocks: how many KV blocks the device memory left for KV can hold."""
+    kv.validate(cache.block_size, model_cfg.num_layers)
+    bs, scale = cache.block_size, model_cfg.head_dim ** -0.5
+    if kv.mode == "dense":
+        pool = KVPool(model_cfg, gpu_kv_blocks, bs, dtype, device)
+        return KVSetup(DensePolicy(pool, scale), BlockAllocator(gpu_kv_blocks), max_num_seqs, pool, None,
+                       f"dense: {gpu_kv_blocks} GPU blocks")
+    if kv.mode == "quest":
+        blocks = gpu_kv_blocks if cache.num_kv_blocks else gpu_kv_blocks * bs // (bs + 1)  # room for summaries
+        pool = KVPool(model_cfg, blocks, bs, dtype, device)
+        summaries = BlockSummaries(model_cfg, blocks, dtype, device)
+        policy = QuestPolicy(pool, kv, summaries, bs, scale, device)
+        return KVSetup(policy, BlockAllocator(blocks), max_num_seqs, pool, None, f"quest: {blocks} GPU blocks")
+    return build_retrieval(model_cfg, cache, kv, gpu_kv_blocks, max_model_len, max_num_seqs, dtype, device)
+
+
+def build_retrieval(model_cfg, cache, kv, gpu_kv_blocks, max_model_len, max_num_seqs, dtype, device) -> KVSetup:
+    bs, per_block = cache.block_size, bytes_per_block(model_cfg, cache.block_size, dtype)
+    host_blocks = host_block_count(cache, kv, per_block, device)
+    width = kv.budget // bs
+    summary_blocks = -(-host_blocks // bs)  # summaries cost 1/block_size of the KV they describe
+    rows = min(max_num_seqs, (gpu_kv_blocks - summary_blocks) // width)
+    if rows < 1:
+        raise ValueError(f"the GPU has room for {gpu_kv_blocks} KV blocks: not enough for the summaries of "
+                         f"{host_blocks} host blocks plus one working set of {width} blocks")
+    pool = KVPool(model_cfg, rows * width, bs, dtype, device)
+    host = HostStore(model_cfg, host_blocks, bs, dtype, pin=device.type == "cuda")
+    ws = WorkingSet(model_cfg.num_layers, rows, width, -(-max_model_len // bs), device)
+    summaries = BlockSummaries(model_cfg, host_blocks, dtype, device)
+    policy = RetrievalPolicy(pool, host, ws, kv, summaries, bs, model_cfg.head_dim ** -0.5, device)
+    return KVSetup(policy, BlockAllocator(host_blocks), rows, pool, host,
+                   f"retrieval: {host_blocks} host blocks ({host.kv.numel() * host.kv.element_size() / GiB:.1f} GiB), "
+                   f"{rows} working sets of {width} blocks on the GPU")
+
+
+def host_block_count(cache: CacheConfig, kv: KVConfig, per_block: int, device: torch.device) -> int:
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    if kv.host_kv_gb is not None:
+        budget = kv.host_kv_gb * GiB
+    elif device.type == "cuda":
+        budget = spare_host_bytes()
+    else:
+        budget = min(spare_host_bytes(), cache.cpu_kv_cache_gb * GiB)
+    blocks = int(budget // per_block)
+    if blocks < 1:
+        raise ValueError(f"no host memory for the KV store ({budget / GiB:.2f} GiB); set --host-kv-gb")
+    return blocks
