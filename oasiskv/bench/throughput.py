@@ -65,16 +65,17 @@ def bench_one(engine, batch: int, input_len: int, output_len: int, hbm_gbps: flo
         raise RuntimeError(f"batch {batch} does not fit the KV pool at once; lower the batch or raise memory")
     for _ in range(warmup):
         engine.step()
-    weights, per_token = engine.weights_bytes(), engine.kv_bytes_per_token
+    weights = engine.weights_bytes()
     steps, bytes_read, decode_s = 0, 0, 0.0
+    pcie_before = engine.policy.stats().get("kv_bytes_gathered", 0)
     while engine.has_unfinished():
-        running = [r for r in reqs if not r.finished]
-        kv_tokens = sum(r.num_tokens for r in running)
+        kv_bytes = sum(kv_bytes_read(engine, r.num_tokens) for r in reqs if not r.finished)
         t = time.perf_counter()
         engine.step()
         decode_s += time.perf_counter() - t
         steps += 1
-        bytes_read += weights + kv_tokens * per_token
+        bytes_read += weights + kv_bytes
+    pcie = engine.policy.stats().get("kv_bytes_gathered", 0) - pcie_before
     for i in ids:
         engine.pop_finished(i)
     tokens = steps * batch
@@ -83,8 +84,19 @@ def bench_one(engine, batch: int, input_len: int, output_len: int, hbm_gbps: flo
         "decode_s": round(decode_s, 4), "decode_tok_s": round(tokens / decode_s, 1),
         "step_ms": round(1000 * decode_s / steps, 3), "bytes_per_step_gb": round(bytes_read / steps / 1e9, 3),
         "achieved_gbps": round(bytes_read / decode_s / 1e9, 1),
+        "pcie_gb_per_step": round(pcie / steps / 1e9, 4), "pcie_gbps": round(pcie / decode_s / 1e9, 2),
         "roofline_pct": round(100 * bytes_read / decode_s / 1e9 / hbm_gbps, 1),
     }
+
+
+def kv_bytes_read(engine, tokens: int) -> int:
+    """HBM bytes one decode step reads for one request's KV: every token (dense), or the budget plus
+    the block summaries (sparse modes; a block's summary is the size of one token's K and V)."""
+    per_token = engine.kv_bytes_per_token
+    if engine.policy.name == "dense":
+        return tokens * per_token
+    budget = engine.config.kv.budget
+    return (min(tokens, budget) + -(-tokens // engine.block_size)) * per_token
 
 
 def device_name(device: torch.device) -> str:
@@ -92,10 +104,11 @@ def device_name(device: torch.device) -> str:
 
 
 def print_table(rows: list[dict], engine) -> None:
-    print(f"\nmodel {engine.model_source}  device {device_name(engine.device)}  dtype {engine.dtype}  "
+    print(f"\n{engine.kv_description}; stats {engine.stats_dict()}")
+    print(f"model {engine.model_source}  device {device_name(engine.device)}  dtype {engine.dtype}  "
           f"KV pool {engine.pool.num_blocks} blocks ({engine.pool.nbytes / 2**30:.1f} GiB)")
     cols = ["mode", "batch", "context", "decode_steps", "prefill_s", "step_ms", "decode_tok_s", "bytes_per_step_gb",
-            "achieved_gbps", "roofline_pct"]
-    print(" ".join(f"{c:>17}" for c in cols))
+            "achieved_gbps", "roofline_pct", "pcie_gb_per_step"]
+    print(" ".join(f"{c:>16}" for c in cols))
     for r in rows:
-        print(" ".join(f"{r[c]:>17}" for c in cols))
+        print(" ".join(f"{r[c]:>16}" for c in cols))
