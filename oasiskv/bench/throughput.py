@@ -35,9 +35,11 @@ def run_from_args(args: argparse.Namespace, config: EngineConfig) -> list[dict]:
     sched = config.scheduler
     config = config.replace(scheduler=type(sched)(
         max_num_seqs=max(sched.max_num_seqs, 1024), max_num_batched_tokens=sched.max_num_batched_tokens,
-        max_model_len=sched.max_model_len or args.input_len + args.output_len + 16))
+        max_model_len=sched.max_model_len or args.input_len + args.output_len + 4096))
     engine = LLMEngine(config)
-    fit = engine.max_concurrency(args.input_len + args.output_len)
+    fit = 1
+    for _ in range(3):  # the decode tail each request grows while the others prefill depends on the batch
+        fit = engine.max_concurrency(request_tokens(engine, fit, args.input_len, args.output_len, args.warmup_steps))
     batches = [fit if b == "max" else int(b) for b in args.batch_sizes.split(",")]
     rows = [bench_one(engine, b, args.input_len, args.output_len, args.hbm_gbps, args.warmup_steps)
             for b in batches]
@@ -51,9 +53,12 @@ def run_from_args(args: argparse.Namespace, config: EngineConfig) -> list[dict]:
 
 
 def bench_one(engine, batch: int, input_len: int, output_len: int, hbm_gbps: float, warmup: int) -> dict:
+    """Prefills `batch` requests, then times `output_len` decode steps with all of them running.
+    Requests get enough max_tokens that none finishes while the others are still prefilling."""
     gen = torch.Generator().manual_seed(batch)
     vocab = min(engine.model_config.vocab_size, 32000)
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    max_tokens = request_tokens(engine, batch, input_len, output_len, warmup) - input_len
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ids = [engine.add_request(torch.randint(0, vocab, (input_len,), generator=gen).tolist(), params)
            for _ in range(batch)]
     reqs = [engine.requests[i] for i in ids]
@@ -61,22 +66,25 @@ def bench_one(engine, batch: int, input_len: int, output_len: int, hbm_gbps: flo
     while any(not r.output_token_ids for r in reqs):
         engine.step()
     prefill_s = time.perf_counter() - t0
-    if engine.scheduler.waiting:
-        raise RuntimeError(f"batch {batch} does not fit the KV pool at once; lower the batch or raise memory")
+    if engine.scheduler.waiting or any(r.finished for r in reqs):
+        raise RuntimeError(f"batch {batch} does not fit the KV memory at once; lower the batch or raise memory")
     for _ in range(warmup):
         engine.step()
     weights = engine.weights_bytes()
-    steps, bytes_read, decode_s = 0, 0, 0.0
+    bytes_read, decode_s = 0, 0.0
     pcie_before = engine.policy.stats().get("kv_bytes_gathered", 0)
-    while engine.has_unfinished():
-        kv_bytes = sum(kv_bytes_read(engine, r.num_tokens) for r in reqs if not r.finished)
+    for _ in range(output_len):
+        kv_bytes = sum(kv_bytes_read(engine, r.num_tokens) for r in reqs)
         t = time.perf_counter()
         engine.step()
         decode_s += time.perf_counter() - t
-        steps += 1
         bytes_read += weights + kv_bytes
+    steps = output_len
+    if any(r.finished for r in reqs):
+        raise RuntimeError("a request finished inside the timed window")
     pcie = engine.policy.stats().get("kv_bytes_gathered", 0) - pcie_before
     for i in ids:
+        engine.abort(i)
         engine.pop_finished(i)
     tokens = steps * batch
     return {
@@ -87,6 +95,12 @@ def bench_one(engine, batch: int, input_len: int, output_len: int, hbm_gbps: flo
         "pcie_gb_per_step": round(pcie / steps / 1e9, 4), "pcie_gbps": round(pcie / decode_s / 1e9, 2),
         "roofline_pct": round(100 * bytes_read / decode_s / 1e9 / hbm_gbps, 1),
     }
+
+
+def request_tokens(engine, batch: int, input_len: int, output_len: int, warmup: int) -> int:
+    """Prompt plus the most tokens a request may generate in bench_one."""
+    prefill_steps = batch + -(-batch * input_len // engine.scheduler.cfg.max_num_batched_tokens)
+    return input_len + prefill_steps + warmup + output_len + 1
 
 
 def kv_bytes_read(engine, tokens: int) -> int:

@@ -22,11 +22,23 @@ def spare_host_bytes(reserve_gb: float = 8.0) -> int:
     return max(0, int(available - reserve_gb * GiB))
 
 
+def register_pinned(t: torch.Tensor) -> None:
+    """Page-locks an existing host tensor (cudaHostRegister). Unlike one huge cudaHostAlloc, this
+    works on VMs whose memory grows as it is touched: the tensor was zero-filled first. Under
+    unified addressing the device can read it directly (the gather kernel does)."""
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    if int(err) != 0:
+        raise MemoryError(f"could not pin {t.numel() * t.element_size() / GiB:.1f} GiB of host memory for the "
+                          f"KV store (CUDA error {int(err)}); lower --host-kv-gb")
+
+
 class HostStore:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, pin: bool):
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (cfg.num_layers, num_blocks, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv = torch.empty(shape, dtype=dtype, pin_memory=pin)
+        self.kv = torch.zeros(shape, dtype=dtype)
+        if pin:
+            register_pinned(self.kv)
 
     def layer(self, i: int) -> torch.Tensor:
         return self.kv[i]

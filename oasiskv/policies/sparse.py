@@ -218,6 +218,7 @@ class RetrievalPolicy(SparsePolicy):
             wanted = torch.where(everything[None, :] < nblocks[:, None], everything[None, :], -1)
             with self.timer("gather"):
                 self.make_resident(layer, wanted, host_tables)
+            self.counts["selected_blocks"] += int((wanted >= 0).sum())
             indptr = indices = None
         else:
             with self.timer("select"):
@@ -240,8 +241,11 @@ class RetrievalPolicy(SparsePolicy):
         need = miss if fetch is None else miss & fetch
         b, j = torch.nonzero(need, as_tuple=True)
         n = b.numel()
-        self.counts["misses"] += n
-        self.counts["hits"] += int((wanted >= 0).sum()) - int(miss.sum()) if fetch is None else 0
+        if fetch is None:  # a selection: every wanted block is a hit or a miss
+            self.counts["misses"] += n
+            self.counts["hits"] += int((wanted >= 0).sum()) - n
+        else:  # the tail block of a request that just came back (prefill wrote it to the host)
+            self.counts["tail_fetches"] += n
         if n:
             src = host_tables[b, wanted[b, j].long()].to(torch.int32)
             dst = slots[b, j].to(torch.int32)
