@@ -62,6 +62,7 @@ class SparsePolicy(KVPolicy):
         self.cuda = device.type == "cuda"
         self.timer = PhaseTimer(timing and (not self.cuda or kv_cfg.mode == "retrieval"), self.cuda)
         self.counts: dict[str, int] = defaultdict(int)
+        self.selected_on_device = torch.zeros((), dtype=torch.int64, device=device)
         self.step_index = 0
 
     def begin_step(self, meta) -> None:
@@ -70,7 +71,9 @@ class SparsePolicy(KVPolicy):
         self.num_decode_blocks = -(-meta.decode_max_seq_len // self.block_size)
 
     def stats(self) -> dict:
-        out = {f"kv_{k}": v for k, v in self.counts.items()}
+        counts = dict(self.counts)
+        counts["selected_blocks"] = counts.get("selected_blocks", 0) + int(self.selected_on_device)
+        out = {f"kv_{k}": v for k, v in counts.items()}
         out.update({f"kv_time_{k}_s": round(v, 6) for k, v in self.timer.totals.items()})
         return out
 
@@ -89,7 +92,7 @@ class SparsePolicy(KVPolicy):
         counts, padded = select_blocks_padded(scores, nblocks.to(torch.int32), self.budget_blocks,
                                               self.cfg.sink_blocks, self.cfg.local_blocks)
         indptr, indices = padded_to_csr(counts, padded)
-        self.counts["selected_blocks"] += int(counts.sum()) if not self.cuda else 0
+        self.selected_on_device += counts.sum()  # summed on the device: no sync per layer
         return counts, padded, indptr, indices
 
     def is_dense_layer(self, layer: int) -> bool:
