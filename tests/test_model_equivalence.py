@@ -76,3 +76,26 @@ def test_smollm2_gguf_logits_match_transformers(smollm_hf, smollm_llm):
     got = engine_logits(smollm_llm.engine.model, ids, [len(ids) - 8])  # prefill, then 8 decode steps
     assert (got - ref).abs().max().item() < 2e-3 * ref.abs().max().item()
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_captured_hidden_states_match_transformers(tiny_pair):
+    """The EAGLE-3 hook: hidden states after chosen layers equal transformers' hidden_states."""
+    import torch.nn.functional as F
+
+    class Causal:
+        def attend(self, layer, q, k, v):
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+            out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                 is_causal=True)
+            return out.transpose(0, 1)
+
+    hf, ours = tiny_pair
+    ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(ids[None], output_hidden_states=True).hidden_states
+        _, captured = ours(ids, torch.arange(40), Causal(), capture_layers=(0, 1))
+    # hidden_states[i + 1] is the output of layer i (the last entry comes after the final norm)
+    assert len(captured) == 2
+    torch.testing.assert_close(captured[0], ref[1][0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(captured[1], ref[2][0], atol=1e-4, rtol=1e-4)

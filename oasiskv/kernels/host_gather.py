@@ -47,6 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
+from oasiskv.kernels.device_info import num_sms
+
 __all__ = [
     "gather_host_blocks",
     "gather_host_blocks_reference",
@@ -84,21 +86,11 @@ def _copy_chunks_kernel(
 
 _WORD_DTYPES = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _TYPESTR = {torch.int32: "<i4", torch.int16: "<i2", torch.uint8: "|u1"}
-_NUM_SMS: dict[int, int] = {}
 _warned_unpinned = False
 
 
 def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
 
 
 def _check(name_src, src, name_dst, dst, layer_ids, src_idx, dst_idx, idx_names):
@@ -181,7 +173,7 @@ def _launch(src_words, dst_words, src_layer_stride, dst_layer_stride, chunk_word
         tile = min(4096, triton.next_power_of_2(chunk_words))
     num_tiles = triton.cdiv(chunk_words, tile)
     if splits is None:
-        sms = _num_sms(dst_words.device) if dst_words.is_cuda else 8
+        sms = num_sms(dst_words.device) if dst_words.is_cuda else 8
         splits = max(1, min(num_tiles, triton.cdiv(2 * sms, n)))
     if num_warps is None:
         num_warps = 4 if tile >= 512 else 1

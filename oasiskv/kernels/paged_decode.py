@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from oasiskv.kernels.device_info import num_sms
+
 __all__ = [
     "paged_decode_attention",
     "paged_decode_reference",
@@ -285,16 +287,6 @@ def _shape(t):
     return tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
 
 
-_NUM_SMS: dict = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # the H200's count; only shapes the split policy under the interpreter
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _NUM_SMS:
-        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _NUM_SMS[index]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -372,7 +364,8 @@ def paged_decode_attention(
         max_seq_len = int(seq_lens.max().item())  # device sync on CUDA; pass max_seq_len to avoid it
     max_seq_len = max(int(max_seq_len), 1)
     if partition_size is None:
-        partition_size, num_splits = choose_partition(batch, kv_heads, max_seq_len, _num_sms(q.device))
+        partition_size, num_splits = choose_partition(batch, kv_heads, max_seq_len,
+                                                       num_sms(q.device) if q.is_cuda else 132)
     else:
         partition_size = int(partition_size)
         if partition_size < 1:

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from oasiskv.kernels.device_info import num_sms
+
 __all__ = ["sparse_decode_attention", "sparse_decode_reference"]
 
 _LOG2E = 1.4426950408889634
@@ -158,16 +160,6 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-_NUM_SMS: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
 
 
 def _check_inputs(q, kv_layer, block_tables, sel_indptr, sel_indices, seq_lens, out):
@@ -223,7 +215,7 @@ def _choose_num_splits(B: int, Hkv: int, nnz: int, blocks_per_iter: int, device)
     if B == 0:
         return 1
     avg_iters = max(1, triton.cdiv(triton.cdiv(nnz, B), blocks_per_iter))
-    want = triton.cdiv(3 * _num_sms(device), B * Hkv)
+    want = triton.cdiv(3 * num_sms(device), B * Hkv)
     return max(1, min(want, avg_iters, 64))
 
 
