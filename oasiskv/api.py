@@ -34,7 +34,7 @@ class RequestOutput:
     @classmethod
     def from_request(cls, req: Request) -> "RequestOutput":
         completion = CompletionOutput(0, req.output_text, list(req.output_token_ids), req.finish_reason)
-        metrics = {"num_preemptions": req.num_preemptions}
+        metrics = {"num_preemptions": req.num_preemptions, **req.kv_stats}
         if req.first_token_time is not None:
             metrics["ttft_s"] = req.first_token_time - req.arrival_time
         if req.finish_time is not None:

@@ -91,7 +91,7 @@ def cmd_generate(args) -> None:
         out = llm.generate(prompt, params, use_tqdm=False)[0]
     except ValueError as e:
         raise SystemExit(f"error: {e}")
-    stats = {**llm.engine.stats_dict(), **out.metrics, "finish_reason": out.outputs[0].finish_reason,
+    stats = {**llm.engine.stats_dict(), "request": out.metrics, "finish_reason": out.outputs[0].finish_reason,
              "prompt_tokens": len(out.prompt_token_ids), "output_tokens": len(out.outputs[0].token_ids)}
     if args.json:
         print(json.dumps({"text": out.outputs[0].text, "token_ids": out.outputs[0].token_ids, "stats": stats}))

@@ -109,6 +109,9 @@ def test_kv_stats_in_cli_json():
                 "kv_time_gather_s", "kv_time_attention_s"):
         assert key in stats, key
     assert stats["kv_selected_blocks"] == stats["kv_hits"] + stats["kv_misses"]
+    per_request = stats["request"]  # one request: its own counters equal the run's
+    for key in ("kv_selected_blocks", "kv_hits", "kv_misses"):
+        assert per_request[key] == stats[key], key
 
 
 def test_impossible_kv_configuration_is_a_clear_error():

@@ -135,6 +135,7 @@ class LLMEngine:
         if req is not None and not req.finished:
             self.scheduler.finish(req, "abort")
             self.policy.release(request_id)
+            req.kv_stats = self.policy.request_stats(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -178,6 +179,7 @@ class LLMEngine:
             return False
         self.scheduler.finish(req, reason)
         self.policy.release(req.request_id)
+        req.kv_stats = self.policy.request_stats(req.request_id)
         self.sampler.forget(req.request_id)
         req.finish_time = now
         if reason != "stop_string":

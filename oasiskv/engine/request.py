@@ -30,6 +30,7 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
+    kv_stats: dict = field(default_factory=dict)  # the KV policy's counters for this request
 
     @property
     def num_tokens(self) -> int:

@@ -48,3 +48,7 @@ class KVPolicy:
 
     def stats(self) -> dict:
         return {}
+
+    def request_stats(self, request_id: str) -> dict:
+        """Counters of one finished request (and forget them)."""
+        return {}

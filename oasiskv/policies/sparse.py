@@ -62,6 +62,7 @@ class SparsePolicy(KVPolicy):
         self.cuda = device.type == "cuda"
         self.timer = PhaseTimer(timing and (not self.cuda or kv_cfg.mode == "retrieval"), self.cuda)
         self.counts: dict[str, int] = defaultdict(int)
+        self.per_request: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.selected_on_device = torch.zeros((), dtype=torch.int64, device=device)
         self.step_index = 0
 
@@ -69,6 +70,9 @@ class SparsePolicy(KVPolicy):
         super().begin_step(meta)
         self.step_index += 1
         self.num_decode_blocks = -(-meta.decode_max_seq_len // self.block_size)
+
+    def request_stats(self, request_id: str) -> dict:
+        return dict(self.per_request.pop(request_id, {}))
 
     def stats(self) -> dict:
         counts = dict(self.counts)
@@ -247,6 +251,7 @@ class RetrievalPolicy(SparsePolicy):
         if fetch is None:  # a selection: every wanted block is a hit or a miss
             self.counts["misses"] += n
             self.counts["hits"] += int((wanted >= 0).sum()) - n
+            self.count_per_request(wanted, need)
         else:  # the tail block of a request that just came back (prefill wrote it to the host)
             self.counts["tail_fetches"] += n
         if n:
@@ -257,6 +262,15 @@ class RetrievalPolicy(SparsePolicy):
             gather(self.host.kv, self.pool.kv, layers, src, dst)
             self.counts["bytes_gathered"] += n * self.host.chunk_bytes
         return slots
+
+    def count_per_request(self, wanted: torch.Tensor, miss: torch.Tensor) -> None:
+        selected, missed = (wanted >= 0).sum(1).tolist(), miss.sum(1).tolist()
+        for rid, sel, m in zip(self.meta.decode_request_ids, selected, missed):
+            c = self.per_request[rid]
+            c["kv_selected_blocks"] += sel
+            c["kv_misses"] += m
+            c["kv_hits"] += sel - m
+            c["kv_bytes_gathered"] += m * self.host.chunk_bytes
 
     def spill_full_tails(self, layer, fill, tail_slots, tail_host) -> None:
         """A tail block that just filled is written once to the host store; it stays resident."""
