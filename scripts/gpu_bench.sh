@@ -12,4 +12,5 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>/dev/null
 bench --kv-mode dense --batch-sizes 1,8,32 --out "$OUT/dense_full_card.json"
 bench --kv-mode retrieval --gpu-memory-gb "$CARD_GB" --host-kv-gb "$HOST_GB" --batch-sizes max --out "$OUT/retrieval_${CARD_GB}gb.json"
 bench --kv-mode quest --gpu-memory-gb "$CARD_GB" --batch-sizes max --out "$OUT/quest_${CARD_GB}gb.json"
+bench --kv-mode dense --gpu-memory-gb "$CARD_GB" --batch-sizes max --out "$OUT/dense_${CARD_GB}gb.json"
 for f in "$OUT"/*.json; do echo "== $f"; python3 -c "import json,sys; [print(r) for r in json.load(open(sys.argv[1]))['rows']]" "$f"; done
