@@ -1,0 +1,40 @@
+"""What a draft source sees after each step, and what it returns.
+
+A draft source guesses, for every request that just sampled a token, the token after it. The guess
+(the draft token) runs beside the request's next decode step only to predict which KV blocks the step
+after will need; it is never emitted."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftChunk:
+    """One request's chunk of the step that just ran, as the draft source sees it."""
+
+    request_id: str
+    start: int  # position of the chunk's first token in the request
+    token_ids: list[int]  # the chunk's tokens, positions start .. start + len - 1
+    next_token_ids: list[int]  # token at position p + 1 for each chunk position p (last: the sampled one if sampled)
+    row_start: int  # the chunk's rows in the captured hidden states: [row_start, row_start + len(token_ids))
+    sampled: bool  # the chunk sampled a token: propose a draft for the next step
+    context: list[int]  # every token of the request so far, the newly sampled one included
+
+
+class DraftSource:
+    """Base of the draft sources (ngram, repeat, eagle3)."""
+
+    name = "base"
+    # layers whose output hidden states (residual stream, before the final norm) the runner captures
+    # for this source, as output-of-layer ids: id i is the input of layer i + 1 (HF hidden_states[i + 1])
+    capture_layers: tuple[int, ...] = ()
+
+    def propose(self, chunks: list[DraftChunk], captured: list[torch.Tensor]) -> dict[str, int]:
+        """Draft token for every chunk with sampled=True, keyed by request id. `captured` holds one
+        [T, H] tensor per capture layer, rows aligned with the chunks' row_start."""
+        raise NotImplementedError
+
+    def release(self, request_id: str) -> None:
+        """The request finished or was preempted: forget its state (a recompute starts at position 0)."""

@@ -1,0 +1,49 @@
+"""Weight-free draft sources: prompt lookup (n-gram) and repeat (the current token itself)."""
+from __future__ import annotations
+
+from oasiskv.lookahead.base import DraftChunk, DraftSource
+
+
+class RepeatDraft(DraftSource):
+    """The temporal-locality baseline: the next query is predicted by the current token's."""
+
+    name = "repeat"
+
+    def propose(self, chunks: list[DraftChunk], captured) -> dict[str, int]:
+        return {c.request_id: c.context[-1] for c in chunks if c.sampled}
+
+
+class NgramDraft(DraftSource):
+    """Prompt lookup: find the latest earlier occurrence of the context's last n tokens (n from max_n
+    down to min_n) and propose the token that followed it; with no occurrence, repeat the last token.
+    Per request and n, a dict maps each n-gram to the token after its latest occurrence; it is
+    extended incrementally, so a step costs O(new tokens), not O(context)."""
+
+    name = "ngram"
+
+    def __init__(self, max_n: int = 3, min_n: int = 1):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.max_n, self.min_n = max_n, min_n
+        self.tables: dict[str, tuple[list[dict[tuple, int]], list[int]]] = {}
+
+    def propose(self, chunks: list[DraftChunk], captured) -> dict[str, int]:
+        return {c.request_id: self.lookup(c.request_id, c.context) for c in chunks if c.sampled}
+
+    def release(self, request_id: str) -> None:
+        self.tables.pop(request_id, None)
+
+    def lookup(self, request_id: str, context: list[int]) -> int:
+        tables, done = self.tables.setdefault(request_id, ([{} for _ in range(self.max_n + 1)], [0]))
+        if done[0] > len(context):  # a recompute restarted the request
+            tables[:] = [{} for _ in range(self.max_n + 1)]
+            done[0] = 0
+        for end in range(max(done[0], 1), len(context)):  # the n-gram ending before `end` -> context[end]
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                tables[n][tuple(context[end - n:end])] = context[end]
+        done[0] = len(context)
+        for n in range(min(self.max_n, len(context) - 1), self.min_n - 1, -1):
+            follower = tables[n].get(tuple(context[-n:]))
+            if follower is not None:
+                return follower
+        return context[-1]
