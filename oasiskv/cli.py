@@ -126,6 +126,12 @@ def cmd_bench(args) -> None:
     run_from_args(args, engine_config(args))
 
 
+def cmd_train_draft(args) -> None:
+    from oasiskv.lookahead.train_draft import main as train_draft_main
+
+    train_draft_main(args)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="oasiskv", description="OasisKV inference engine")
     sub = p.add_subparsers(dest="command", required=True)
@@ -147,6 +153,11 @@ def parser() -> argparse.ArgumentParser:
     add_bench_args(bench)
     add_engine_args(bench)
     bench.set_defaults(func=cmd_bench)
+    train_draft = sub.add_parser("train-draft", help="train an EAGLE-3 draft head for the target model")
+    from oasiskv.lookahead.train_draft import add_args as add_train_draft_args
+
+    add_train_draft_args(train_draft)
+    train_draft.set_defaults(func=cmd_train_draft)
     return p
 
 

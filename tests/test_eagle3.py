@@ -251,7 +251,7 @@ def test_draft_over_chunks_equals_one_shot(target, tmp_path):
 def test_draft_restart_and_continuity_errors(target, tmp_path):
     _, ours = target
     write_head(tmp_path, "eagle", random_weights("eagle", seed=8))
-    draft = Eagle3Draft.from_dir(str(tmp_path), ours)
+    draft = Eagle3Draft.from_dir(str(tmp_path), ours, torch.device("cpu"), torch.float32)
     ids = sequence(9, 12)
     requests = {"r": (ids, [6])}
     first = run_draft(draft, ours, requests)

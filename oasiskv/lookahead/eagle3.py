@@ -68,8 +68,9 @@ class Eagle3Draft(DraftSource):
         self.caches: dict[str, RequestKV] = {}
 
     @classmethod
-    def from_dir(cls, directory: str, target: CausalLM) -> "Eagle3Draft":
-        return cls(load_eagle3(directory, target))
+    def from_dir(cls, directory: str, target: CausalLM, device: torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> "Eagle3Draft":
+        return cls(load_eagle3(directory, target, device, dtype))
 
     def release(self, request_id: str) -> None:
         self.caches.pop(request_id, None)

@@ -52,8 +52,9 @@ class Eagle3Config:
         """A plain Llama draft layer with the target's dimensions (what EAGLE and SpecForge train)."""
         layer = dataclasses.replace(target, model_type="llama", num_layers=1, tie_word_embeddings=False,
                                     attention_bias=False, qk_norm=False)
-        indices = capture_indices or default_capture_indices(target.num_layers)
-        return cls(layer, min(draft_vocab_size, target.vocab_size), target.hidden_size, tuple(indices), False)
+        indices = checked_capture_indices(capture_indices or default_capture_indices(target.num_layers),
+                                          target.num_layers)
+        return cls(layer, min(draft_vocab_size, target.vocab_size), target.hidden_size, indices, False)
 
 
 def default_capture_indices(num_layers: int) -> tuple[int, ...]:
@@ -211,11 +212,15 @@ def check_against_target(cfg: Eagle3Config, target: ModelConfig, has_embedding: 
         raise ValueError(f"EAGLE-3 head hidden size {cfg.hidden_size} != target hidden size {target.hidden_size} "
                          "and the checkpoint has no embed_tokens of its own")
     indices = cfg.capture_indices or default_capture_indices(target.num_layers)
+    return dataclasses.replace(cfg, capture_indices=checked_capture_indices(indices, target.num_layers))
+
+
+def checked_capture_indices(indices, num_layers: int) -> tuple[int, ...]:
     ascending = all(a < b for a, b in zip(indices, indices[1:]))  # the runner captures in layer order
-    if len(indices) != 3 or not ascending or not all(1 <= i <= target.num_layers for i in indices):
-        raise ValueError(f"EAGLE-3 capture indices {indices} must be 3 ascending HF hidden_states indices in "
-                         f"[1, {target.num_layers}] (index 0, the embedding output, is not captured)")
-    return dataclasses.replace(cfg, capture_indices=tuple(indices))
+    if len(indices) != 3 or not ascending or not all(1 <= i <= num_layers for i in indices):
+        raise ValueError(f"EAGLE-3 capture indices {tuple(indices)} must be 3 ascending HF hidden_states indices "
+                         f"in [1, {num_layers}] (index 0, the embedding output, is not captured)")
+    return tuple(indices)
 
 
 def read_checkpoint(directory: str) -> dict[str, torch.Tensor]:
