@@ -132,6 +132,28 @@ def cmd_train_draft(args) -> None:
     train_draft_main(args)
 
 
+def cmd_serve(args) -> None:
+    from oasiskv.server.app import serve
+
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    try:
+        serve(args)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}")
+
+
+def add_serve_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (vLLM's endpoints, errors and metrics)")
+    serve.add_argument("model_tag", nargs="?", default=None, help="the model (same as --model)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="the name clients use (default: the model's)")
+    serve.add_argument("--uvicorn-log-level", default="info")
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="oasiskv", description="OasisKV inference engine")
     sub = p.add_subparsers(dest="command", required=True)
@@ -153,6 +175,7 @@ def parser() -> argparse.ArgumentParser:
     add_bench_args(bench)
     add_engine_args(bench)
     bench.set_defaults(func=cmd_bench)
+    add_serve_parser(sub)
     train_draft = sub.add_parser("train-draft", help="train an EAGLE-3 draft head for the target model")
     from oasiskv.lookahead.train_draft import add_args as add_train_draft_args
 

@@ -1,0 +1,208 @@
+"""The FastAPI app of `oasiskv serve`: routes, vLLM's error shapes, and the entry point."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException
+
+from oasiskv.server.chat import create_chat_completion
+from oasiskv.server.completions import create_completion
+from oasiskv.server.engine_loop import EngineDeadError, EngineLoop
+from oasiskv.server.metrics import ServerMetrics
+from oasiskv.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                     TokenizeRequest, error_response)
+
+log = logging.getLogger("oasiskv.server")
+
+
+class ServerState:
+    """What every route needs: the engine loop, the tokenizer, the model's names and limits."""
+
+    def __init__(self, engine, served_model_name: str | None = None):
+        self.engine, self.tokenizer = engine, engine.tokenizer
+        self.model_name = served_model_name or default_model_name(engine)
+        self.max_model_len = engine.max_model_len
+        self.metrics = ServerMetrics(self.model_name)
+        self.loop = EngineLoop(engine, self.metrics)
+        self.created = int(time.time())
+        self.token_strs: dict[int, str] = {}
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(f"The model `{name}` does not exist.", status=404, param="model")
+
+    def token_str(self, token_id: int) -> str:
+        """One token as text, special tokens included (the strings logprobs and /tokenize show)."""
+        if token_id not in self.token_strs:
+            hf = getattr(self.tokenizer, "hf", None)
+            self.token_strs[token_id] = hf.decode([token_id]) if hf is not None else self.tokenizer.decode([token_id])
+        return self.token_strs[token_id]
+
+
+def default_model_name(engine) -> str:
+    model = engine.config.model
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    return os.path.basename(os.path.normpath(model))
+
+
+def build_app(engine, served_model_name: str | None = None) -> FastAPI:
+    state = ServerState(engine, served_model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.loop.start()
+        yield
+        state.loop.stop()
+
+    app = FastAPI(title="oasiskv", lifespan=lifespan)
+    app.state.server = state
+    add_error_handlers(app)
+    add_routes(app, state)
+    return app
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_, e: APIError):
+        return error_response(e.message, e.status, e.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_, e: RequestValidationError):  # FastAPI's 422 becomes vLLM's 400
+        errors = e.errors()
+        if any(err.get("type") == "json_invalid" for err in errors):
+            return error_response(f"the request body is not valid JSON: {errors[0].get('ctx', {}).get('error', '')}")
+        parts = [f"{'.'.join(str(x) for x in err.get('loc', ())[1:]) or 'body'}: {err.get('msg')}" for err in errors]
+        param = next((str(err["loc"][1]) for err in errors if len(err.get("loc", ())) > 1), None)
+        return error_response("; ".join(parts) or "invalid request", 400, param)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, e: HTTPException):  # e.g. a body that is not UTF-8
+        message = "the request body could not be parsed as JSON (is it UTF-8?)" if e.status_code == 400 else e.detail
+        return error_response(str(message), e.status_code)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_, e: EngineDeadError):
+        return error_response(str(e), 500)
+
+
+def add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await create_completion(body, state, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await create_chat_completion(body, state, request)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "oasiskv",
+                "root": state.engine.model_source, "parent": None, "max_model_len": state.max_model_len,
+                "permission": []}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=503 if state.loop.error else 200)
+
+    @app.get("/metrics")
+    async def metrics():
+        body = state.metrics.render(await state.loop.snapshot())
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        state.check_model(body.model)
+        tokens = tokenize_request(body, state.tokenizer)
+        strs = [state.token_str(t) for t in tokens] if body.return_token_strs else None
+        return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        state.check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < state.engine.model_config.vocab_size]
+        if bad:
+            raise APIError(f"token ids out of range: {bad[:5]}", param="tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return tokenizer_info_of(state)
+
+
+def tokenize_request(body: TokenizeRequest, tokenizer) -> list[int]:
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError("give exactly one of `prompt` and `messages`", param="prompt")
+    if body.messages is not None:
+        try:
+            return tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
+        except ValueError as e:
+            raise APIError(str(e), param="messages") from e
+    hf = getattr(tokenizer, "hf", None)
+    if hf is not None:
+        return list(hf.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+    return tokenizer.encode(body.prompt)
+
+
+def tokenizer_info_of(state: ServerState) -> dict:
+    """The fields lm-eval's remote-tokenizer probe reads (eos_token) and a few more."""
+    hf = getattr(state.tokenizer, "hf", None)
+    info = {"tokenizer_class": type(hf or state.tokenizer).__name__, "model_max_length": state.max_model_len,
+            "vocab_size": state.engine.model_config.vocab_size, "eos_token": None, "bos_token": None,
+            "pad_token": None, "chat_template": None}
+    if hf is not None:
+        info.update(eos_token=hf.eos_token, bos_token=hf.bos_token, pad_token=hf.pad_token,
+                    chat_template=getattr(hf, "chat_template", None))
+    return info
+
+
+class BackgroundServer:
+    """uvicorn in a thread: for tests and in-process benchmarks."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, name="oasiskv-http", daemon=True)
+
+    def start(self, timeout_s: float = 60) -> str:
+        self.thread.start()
+        deadline = time.time() + timeout_s
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.05)
+        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
+        return f"http://{host}:{port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def serve(args) -> None:
+    """`oasiskv serve`: builds the engine from the engine flags and serves it."""
+    import uvicorn
+
+    from oasiskv.cli import engine_config
+    from oasiskv.engine.engine import LLMEngine
+
+    engine = LLMEngine(engine_config(args))
+    app = build_app(engine, args.served_model_name)
+    print(f"oasiskv: serving {app.state.server.model_name} ({engine.kv_description}) on "
+          f"http://{args.host}:{args.port}", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)

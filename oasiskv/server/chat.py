@@ -1,0 +1,64 @@
+"""POST /v1/chat/completions: messages through the model's chat template; streaming deltas."""
+from __future__ import annotations
+
+from fastapi.responses import Response
+
+from oasiskv.server.generation import Choice, GenerationJob, Submission, check_context, sampling_params
+from oasiskv.server.logprobs import chat_logprobs
+from oasiskv.server.protocol import APIError, ChatCompletionRequest
+
+
+def chat_prompt(body: ChatCompletionRequest, tokenizer) -> list[int]:
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    try:
+        ids = tokenizer.apply_chat_template(messages)
+    except ValueError as e:
+        raise APIError(str(e), param="messages") from e
+    except Exception as e:  # a template that rejects the conversation (e.g. roles out of order)
+        raise APIError(f"the chat template failed on these messages: {e}", param="messages") from e
+    if not ids:
+        raise APIError("the messages produced an empty prompt", param="messages")
+    return ids
+
+
+class ChatJob(GenerationJob):
+    object_name, id_prefix = "chat.completion.chunk", "chatcmpl"
+
+    def __init__(self, body: ChatCompletionRequest, state):
+        super().__init__(body, state)
+        self.prompt = chat_prompt(body, state.tokenizer)
+        self.num_prompt_tokens = len(self.prompt)
+        max_tokens = body.max_completion_tokens or body.max_tokens or state.max_model_len - len(self.prompt)
+        check_context(len(self.prompt), max_tokens, state.max_model_len)
+        self.params = [sampling_params(body, max_tokens, i) for i in range(body.n)]
+        self.top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+
+    async def start(self) -> None:
+        self.sub = await Submission.start(self.state.loop, [self.prompt] * len(self.params), self.params,
+                                          self.top_logprobs)
+
+    def logprobs(self, logprobs) -> dict | None:
+        return chat_logprobs(self.state.token_str, logprobs) if self.top_logprobs is not None else None
+
+    def response(self, choices: list[Choice]) -> dict:
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.state.model_name,
+                "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
+                             "logprobs": self.logprobs(c.logprobs), "finish_reason": c.finish_reason,
+                             "stop_reason": c.stop_reason} for i, c in enumerate(choices)],
+                "usage": self.usage(sum(len(c.token_ids) for c in choices))}
+
+    async def chunks(self):
+        for i in range(len(self.params)):  # the first delta of each choice carries the role
+            yield self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                               "finish_reason": None}])
+        async for d in self.deltas():
+            self.generated += len(d.token_ids)
+            delta = {"content": d.text} if d.text or not d.finish_reason else {}
+            yield self.chunk([{"index": d.index, "delta": delta, "logprobs": self.logprobs(d.logprobs),
+                               "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}])
+
+
+async def create_chat_completion(body: ChatCompletionRequest, state, request) -> Response:
+    job = ChatJob(body, state)
+    await job.start()
+    return await job.respond(request)

@@ -1,0 +1,93 @@
+"""POST /v1/completions: prompts as text, token ids or lists of either; n choices each; echo with
+prompt logprobs (what lm-eval's local-completions scores multiple choice with); streaming."""
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse, Response
+
+from oasiskv.server.generation import Choice, GenerationJob, Submission, check_context, sampling_params
+from oasiskv.server.logprobs import CompletionLogprobs
+from oasiskv.server.protocol import APIError, CompletionRequest
+
+
+def prompt_inputs(prompt, tokenizer) -> list[tuple[str | None, list[int]]]:
+    """(text or None, token ids) per prompt."""
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif prompt and all(isinstance(t, int) for t in prompt):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise APIError("prompt must not be empty", param="prompt")
+    out = [(p, tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in prompts]
+    if any(not ids for _, ids in out):
+        raise APIError("prompt must not be empty", param="prompt")
+    return out
+
+
+class CompletionJob(GenerationJob):
+    """One /v1/completions request: prompts x n choices, and the echoed prompts."""
+
+    object_name, id_prefix = "text_completion", "cmpl"
+
+    def __init__(self, body: CompletionRequest, state):
+        super().__init__(body, state)
+        if body.max_tokens == 0 and not body.echo:
+            raise APIError("max_tokens must be at least 1 (0 is allowed only with echo)", param="max_tokens")
+        self.n = body.n
+        self.prompts = prompt_inputs(body.prompt, state.tokenizer)
+        self.num_prompt_tokens = sum(len(ids) for _, ids in self.prompts)
+        for _, ids in self.prompts:
+            max_tokens = state.max_model_len - len(ids) if body.max_tokens is None else body.max_tokens
+            check_context(len(ids), max_tokens, state.max_model_len)
+            self.params += [sampling_params(body, max(max_tokens, 1), i) for i in range(self.n)]
+        self.formatters = [CompletionLogprobs(state.token_str) for _ in self.params]
+        self.echoes: list[tuple[str, list]] | None = None
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.body.logprobs is not None
+
+    async def start(self) -> None:
+        if self.body.echo:
+            self.echoes = [await self.echo_of(text, ids) for text, ids in self.prompts]
+        if self.body.max_tokens != 0:
+            prompts = [ids for _, ids in self.prompts for _ in range(self.n)]
+            self.sub = await Submission.start(self.state.loop, prompts, self.params, self.body.logprobs)
+
+    async def echo_of(self, text: str | None, ids: list[int]) -> tuple[str, list]:
+        text = self.state.tokenizer.decode(ids) if text is None else text
+        logprobs = await self.state.loop.prompt_logprobs(ids, self.body.logprobs) if self.wants_logprobs else []
+        return text, logprobs
+
+    def choice_json(self, index: int, text: str, token_ids: list[int], logprobs: list, finish_reason, stop_reason,
+                    first: bool) -> dict:
+        if first and self.echoes is not None:  # the prompt leads the choice's first piece
+            echo_text, echo_logprobs = self.echoes[index // self.n]
+            text = echo_text + text
+            token_ids, logprobs = self.prompts[index // self.n][1] + token_ids, echo_logprobs + logprobs
+        lp = self.formatters[index].format(token_ids, logprobs) if self.wants_logprobs else None
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
+
+    def response(self, choices: list[Choice]) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.state.model_name,
+                "choices": [self.choice_json(i, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason, True)
+                            for i, c in enumerate(choices)],
+                "usage": self.usage(sum(len(c.token_ids) for c in choices))}
+
+    async def chunks(self):
+        started = set()
+        async for d in self.deltas():
+            self.generated += len(d.token_ids)
+            yield self.chunk([self.choice_json(d.index, d.text, d.token_ids, d.logprobs, d.finish_reason,
+                                               d.stop_reason, d.index not in started)])
+            started.add(d.index)
+
+
+async def create_completion(body: CompletionRequest, state, request) -> Response:
+    job = CompletionJob(body, state)
+    await job.start()
+    if job.sub is None:  # echo with max_tokens 0: the prompt is the whole answer
+        return JSONResponse(job.response([Choice(finish_reason="length") for _ in job.params]))
+    return await job.respond(request)

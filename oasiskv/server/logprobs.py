@@ -1,0 +1,111 @@
+"""Logprobs of sampled tokens (a wrapper around the engine's sampler sees every logits row it samples
+from) and of prompt tokens (one cache-free forward of the model over the prompt, for `echo`).
+
+Both are log_softmax of the model's raw logits, before temperature, top-k and top-p, as in vLLM."""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from oasiskv.policies.dense import causal_attention
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the k most likely tokens, most likely first
+
+
+def token_logprob(row: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
+    """row: log-probabilities over the vocabulary [V]."""
+    top = []
+    if k:
+        values, ids = torch.topk(row, k)
+        top = list(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token_id, float(row[token_id]), top)
+
+
+class LogprobSampler:
+    """Stands in for `engine.sampler`: samples with the engine's own sampler, then records the logprobs
+    of the sampled token for the requests that asked for them. Runs on the engine thread only."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.wanted: dict[str, int] = {}  # request id -> how many top logprobs
+        self.recorded: dict[str, list[TokenLogprob]] = defaultdict(list)
+
+    def sample(self, logits: torch.Tensor, request_ids: list[str], params, *args, **kwargs) -> list[int]:
+        tokens = self.inner.sample(logits, request_ids, params, *args, **kwargs)
+        for i, (rid, token) in enumerate(zip(request_ids, tokens)):
+            k = self.wanted.get(rid)
+            if k is not None:
+                row = torch.log_softmax(logits[i].float(), dim=-1)
+                self.recorded[rid].append(token_logprob(row, int(token), k))
+        return tokens
+
+    def take(self, request_id: str) -> list[TokenLogprob]:
+        return self.recorded.pop(request_id, [])
+
+    def drop(self, request_id: str) -> None:
+        self.wanted.pop(request_id, None)
+        self.recorded.pop(request_id, None)
+
+    def __getattr__(self, name):  # forget(), generators, ...: the engine's sampler answers
+        return getattr(self.inner, name)
+
+
+class CausalNoCache:
+    """Attention backend for a forward without a KV cache: plain causal attention over the input."""
+
+    def attend(self, layer, q, k, v):
+        return causal_attention(q, k, v, q.shape[-1] ** -0.5)
+
+
+@torch.inference_mode()
+def prompt_logprobs(model, token_ids: list[int], k: int, device, rows_per_chunk: int = 256
+                    ) -> list[TokenLogprob | None]:
+    """Logprob of each prompt token given the ones before it; the first has none (None)."""
+    ids = torch.tensor(token_ids, dtype=torch.long, device=device)
+    hidden, _ = model(ids, torch.arange(len(ids), device=device), CausalNoCache())
+    out: list[TokenLogprob | None] = [None]
+    for start in range(0, len(ids) - 1, rows_per_chunk):  # position p predicts token p + 1
+        end = min(start + rows_per_chunk, len(ids) - 1)
+        rows = torch.log_softmax(model.logits(hidden[start:end]).float(), dim=-1)
+        out += [token_logprob(rows[j], token_ids[start + j + 1], k) for j in range(end - start)]
+    return out
+
+
+class CompletionLogprobs:
+    """The `logprobs` object of a /v1/completions choice; keeps the text offset across stream chunks."""
+
+    def __init__(self, token_str):
+        self.token_str, self.offset = token_str, 0
+
+    def format(self, token_ids: list[int], logprobs: list[TokenLogprob | None]) -> dict:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token_id, lp in zip(token_ids, logprobs):
+            s = self.token_str(token_id)
+            out["tokens"].append(s)
+            out["text_offset"].append(self.offset)
+            self.offset += len(s)
+            out["token_logprobs"].append(None if lp is None else lp.logprob)
+            out["top_logprobs"].append(None if lp is None else self.top_dict(lp))
+        return out
+
+    def top_dict(self, lp: TokenLogprob) -> dict[str, float]:
+        top = {self.token_str(i): v for i, v in lp.top}
+        top.setdefault(self.token_str(lp.token_id), lp.logprob)  # the chosen token is always listed
+        return top
+
+
+def chat_logprobs(token_str, logprobs: list[TokenLogprob]) -> dict:
+    """The `logprobs` object of a chat choice: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    def entry(token_id: int, logprob: float) -> dict:
+        s = token_str(token_id)
+        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
+                        for lp in logprobs]}

@@ -1,0 +1,165 @@
+"""The OpenAI-compatible server over HTTP (a real uvicorn on a loopback port), checked against
+independent references: the offline API's greedy output, the tokenizer's counts, and log_softmax of
+a plain forward of the model."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+import torch
+
+from oasiskv.config import SamplingParams
+from oasiskv.server.app import BackgroundServer, build_app
+
+PROMPTS = ["The capital of France is", "1, 2, 3, 4,"]
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def served(smollm_llm):
+    """References from the offline API first, then one server over the same loaded engine."""
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    refs = {"completions": smollm_llm.generate(PROMPTS, greedy, use_tqdm=False),
+            "chat": smollm_llm.chat(CHAT, greedy, use_tqdm=False)[0]}
+    app = build_app(smollm_llm.engine)
+    with BackgroundServer(app) as url:
+        yield url, app.state.server, refs
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served[0] + "/v1", api_key="none")
+
+
+@pytest.fixture(scope="module")
+def http(served):
+    with httpx.Client(base_url=served[0], timeout=120) as c:
+        yield c
+
+
+def sse_events(response: httpx.Response) -> list:
+    lines = [line for line in response.text.split("\n") if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+def test_models_health_and_tokenizer_endpoints(served, http):
+    _, state, _ = served
+    models = http.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == state.model_name
+    assert models["data"][0]["max_model_len"] == state.max_model_len
+    health = http.get("/health")
+    assert health.status_code == 200 and health.content == b""
+    text = "Hello, world"
+    tokens = http.post("/tokenize", json={"prompt": text}).json()
+    assert tokens["tokens"] == state.tokenizer.hf(text)["input_ids"] and tokens["count"] == len(tokens["tokens"])
+    assert http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"] == text
+    assert http.get("/tokenizer_info").json()["eos_token"] == "<|im_end|>"
+
+
+def test_greedy_completions_match_the_offline_api(served, client):
+    _, state, refs = served
+    out = client.completions.create(model=state.model_name, prompt=PROMPTS, max_tokens=8, temperature=0)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert [c.text for c in out.choices] == [r.outputs[0].text for r in refs["completions"]]
+    assert out.usage.prompt_tokens == sum(len(state.tokenizer.hf(p)["input_ids"]) for p in PROMPTS)
+    assert out.usage.completion_tokens == sum(len(r.outputs[0].token_ids) for r in refs["completions"])
+
+
+def test_token_id_prompt_and_stop_string(served, client):
+    _, state, refs = served
+    ref = refs["completions"][0].outputs[0]
+    stop = ref.text.split()[1]  # the second word of the greedy answer
+    out = client.completions.create(model=state.model_name, prompt=refs["completions"][0].prompt_token_ids,
+                                    max_tokens=8, temperature=0, stop=[stop])
+    choice = out.choices[0]
+    assert choice.text == ref.text[:ref.text.index(stop)]
+    assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == stop
+    batch = client.completions.create(model=state.model_name, prompt=[r.prompt_token_ids for r in refs["completions"]],
+                                      max_tokens=8, temperature=0)  # a list of token-id lists, as lm-eval sends
+    assert [c.text for c in batch.choices] == [r.outputs[0].text for r in refs["completions"]]
+
+
+class PlainCausalAttention:
+    """softmax(q k^T / sqrt(d)) v with an explicit causal mask: the test's own attention."""
+
+    def attend(self, layer, q, k, v):
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * q.shape[-1] ** -0.5
+        future = torch.ones(len(q), len(k), dtype=torch.bool).triu(1)
+        return torch.einsum("hqk,khd->qhd", scores.masked_fill(future, float("-inf")).softmax(-1), v)
+
+
+def plain_logprobs(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        hidden, _ = model(torch.tensor(ids), torch.arange(len(ids)), PlainCausalAttention())
+        return torch.log_softmax(model.logits(hidden), -1)
+
+
+def test_logprobs_and_echo_match_a_plain_forward(served, http):
+    _, state, refs = served
+    prompt, continuation = refs["completions"][1].prompt_token_ids, refs["completions"][1].outputs[0].token_ids[:3]
+    ref = plain_logprobs(state.engine.model, prompt + continuation)  # row i: the distribution of token i + 1
+    n = len(prompt)
+    body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "logprobs": 3}
+    gen = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]  # the engine's logits
+    assert gen["token_logprobs"] == pytest.approx([float(ref[n - 1 + j, t]) for j, t in enumerate(continuation)],
+                                                  abs=2e-3)
+    assert sorted(gen["top_logprobs"][0].values(), reverse=True) == pytest.approx(ref[n - 1].topk(3).values.tolist(),
+                                                                                  abs=2e-3)
+    echoed = prompt + continuation[:2]
+    body = {"prompt": echoed, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
+    choice = http.post("/v1/completions", json=body).json()["choices"][0]  # prompt logprobs: a dense forward
+    lp = choice["logprobs"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    expected = [float(ref[i - 1, t]) for i, t in enumerate(prompt + continuation) if i > 0]
+    assert lp["token_logprobs"][1:] == pytest.approx(expected, abs=2e-3)
+    assert choice["text"] == state.tokenizer.decode(prompt + continuation) == "".join(lp["tokens"])
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+
+
+def test_n_choices_with_a_seed_are_reproducible(served, client):
+    _, state, _ = served
+
+    def sample():
+        return client.completions.create(model=state.model_name, prompt=PROMPTS[0], n=3, max_tokens=4,
+                                         temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+
+    a, b = sample(), sample()
+    assert sorted(c.index for c in a.choices) == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.usage.completion_tokens == 12
+
+
+def test_streamed_completion_chunks_and_usage(served, http):
+    _, _, refs = served
+    body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    events = sse_events(http.post("/v1/completions", json=body))
+    *chunks, last = events
+    assert all(c["object"] == "text_completion" and len(c["choices"]) == 1 for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == refs["completions"][0].outputs[0].text
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 8
+
+
+def test_chat_completion_and_its_stream(served, client):
+    _, state, refs = served
+    ref = refs["chat"]
+    out = client.chat.completions.create(model=state.model_name, messages=CHAT, max_tokens=8, temperature=0)
+    assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == ref.outputs[0].text
+    assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert out.usage.completion_tokens == len(ref.outputs[0].token_ids)
+    stream = client.chat.completions.create(model=state.model_name, messages=CHAT, max_tokens=8, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.outputs[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == out.usage.total_tokens

@@ -1,0 +1,187 @@
+"""Bad input, cancellation and load against a real server: errors have vLLM's shape, disconnecting
+clients free their KV at once, and everyone else is served."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import httpx
+import pytest
+
+from oasiskv.api import split_kwargs
+from oasiskv.engine.engine import LLMEngine
+from oasiskv.models.loader import LoadedModel
+from oasiskv.server.app import BackgroundServer, build_app
+
+GOOD = {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def served(smollm_llm):
+    """A server in retrieval mode (KV in the host store, a GPU working set per request), so that the
+    accounting checks cover both. It reuses the weights already loaded for the dense engine."""
+    dense = smollm_llm.engine
+    loaded = LoadedModel(dense.model, dense.model_config, dense.tokenizer, dense.model_source)
+    config = split_kwargs(dict(show_progress=False, max_num_batched_tokens=512, kv_mode="retrieval", kv_budget=96,
+                               host_kv_gb=0.25, kv_cache_gb=0.25))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("oasiskv.engine.engine.load_model", lambda *args, **kwargs: loaded)
+        engine = LLMEngine(config)
+    app = build_app(engine)
+    with BackgroundServer(app) as url:
+        yield url, app.state.server
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    found = re.search(rf"^{re.escape(name)}{{[^}}]*{re.escape(labels)}[^}}]*}} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+async def scrape(client: httpx.AsyncClient) -> str:
+    return (await client.get("/metrics")).text
+
+
+async def stream_text(client: httpx.AsyncClient, body: dict) -> tuple[str, int]:
+    text, events = "", []
+    async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    assert events[-1] == "[DONE]"
+    for e in events[:-1]:
+        text += json.loads(e)["choices"][0]["text"]
+    return text, len(events) - 1
+
+
+def too_long(state) -> dict:
+    return {"prompt": [100] * (state.max_model_len + 1), "max_tokens": 1}
+
+
+BAD_COMPLETIONS = [  # (name, body: dict, raw bytes, or a function of the server state, status)
+    ("malformed JSON", b'{"prompt": "hi",', 400),
+    ("invalid UTF-8", b'{"prompt": "\xff\xfe"}', 400),
+    ("prompt of the wrong type", {"prompt": 5}, 400),
+    ("max_tokens of the wrong type", {"prompt": "hi", "max_tokens": "many"}, 400),
+    ("temperature of the wrong type", {"prompt": "hi", "temperature": "hot"}, 400),
+    ("negative max_tokens", {"prompt": "hi", "max_tokens": -1}, 400),
+    ("zero max_tokens without echo", {"prompt": "hi", "max_tokens": 0}, 400),
+    ("huge max_tokens", {"prompt": "hi", "max_tokens": 10 ** 9}, 400),
+    ("prompt too long", too_long, 400),
+    ("empty prompt", {"prompt": ""}, 400),
+    ("empty prompt list", {"prompt": []}, 400),
+    ("token id out of range", {"prompt": [10 ** 7]}, 400),
+    ("negative temperature", {"prompt": "hi", "temperature": -1}, 400),
+    ("top_p zero", {"prompt": "hi", "top_p": 0}, 400),
+    ("n zero", {"prompt": "hi", "n": 0}, 400),
+    ("too many logprobs", {"prompt": "hi", "logprobs": 21}, 400),
+    ("stream_options without stream", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400),
+    ("missing prompt", {"max_tokens": 2}, 400),
+    ("unknown model", {"prompt": "hi", "model": "no-such-model"}, 404),
+]
+BAD_CHATS = [
+    ("empty messages", {"messages": []}, 400),
+    ("unknown role", {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    ("content of the wrong type", {"messages": [{"role": "user", "content": 5}]}, 400),
+    ("unknown model", {**CHAT, "model": "no-such-model"}, 404),
+]
+
+
+async def post_raw(client, path: str, body, state) -> httpx.Response:
+    body = body(state) if callable(body) else body
+    if isinstance(body, bytes):
+        return await client.post(path, content=body, headers={"content-type": "application/json"})
+    return await client.post(path, json=body)
+
+
+def test_bad_inputs_get_vllm_errors_while_a_stream_completes(served):
+    url, state = served
+    table = [("/v1/completions", *row) for row in BAD_COMPLETIONS] + [("/v1/chat/completions", *r) for r in BAD_CHATS]
+
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            good = asyncio.create_task(stream_text(client, {**GOOD, "max_tokens": 12}))
+            responses = await asyncio.gather(*(post_raw(client, path, body, state) for path, _, body, _ in table))
+            return responses, await good
+
+    responses, (text, chunks) = asyncio.run(main())
+    for (path, name, _, status), r in zip(table, responses):
+        assert r.status_code == status, (name, r.text)
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == status, name
+        assert isinstance(error["message"], str) and len(error["message"]) > 5, name
+    assert chunks == 12 and text
+
+
+def test_disconnecting_clients_free_their_kv_and_others_finish(served):
+    url, state = served
+    engine = state.engine
+
+    held = []  # the engine's accounting while the first client still holds its stream
+
+    async def start_then_leave(client, i: int) -> None:
+        async with client.stream("POST", "/v1/completions",
+                                 json={**GOOD, "prompt": f"Story {i}:", "max_tokens": 400, "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    if not held:
+                        held.append(await state.loop.snapshot())
+                    return  # the first chunk arrived: hang up mid-stream
+
+    async def leave_without_streaming(client) -> None:
+        with pytest.raises(httpx.ReadTimeout):
+            await client.post("/v1/completions", json={**GOOD, "max_tokens": 400}, timeout=2)
+
+    async def main():
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+            before = await scrape(client)
+            await asyncio.gather(leave_without_streaming(client), *(start_then_leave(client, i) for i in range(200)))
+            for _ in range(200):  # the aborts are queued to the engine thread; wait for them to land
+                snap = await state.loop.snapshot()
+                if snap["running"] == snap["waiting"] == snap["tracked"] == 0:
+                    break
+                await asyncio.sleep(0.05)
+            after = await scrape(client)
+            text, chunks = await stream_text(client, GOOD)
+            return before, after, snap, chunks
+
+    before, after, snap, chunks = asyncio.run(main())
+    assert held[0]["running"] > 0 and held[0]["host_kv_bytes_used"] > 0
+    assert snap["kv_blocks_used"] == 0 and snap["host_kv_bytes_used"] == 0 and snap["gpu_working_set_rows_used"] == 0
+    assert engine.allocator.num_free == engine.allocator.num_blocks and not engine.requests
+    assert metric(after, "oasiskv:num_requests_running") == metric(after, "oasiskv:num_requests_waiting") == 0
+    assert metric(after, "oasiskv:kv_cache_used_blocks") == 0
+    aborted = 'finished_reason="abort"'
+    assert metric(after, "oasiskv:request_success_total", aborted) - metric(before, "oasiskv:request_success_total",
+                                                                            aborted) == 201
+    assert chunks == GOOD["max_tokens"]
+
+
+def test_64_concurrent_clients_complete_and_counters_match(served):
+    url, state = served
+    prompts = [f"Fact number {i}:" for i in range(64)]
+
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(max_connections=None)) as client:
+            before = await scrape(client)
+            responses = await asyncio.gather(*(client.post("/v1/completions", json={**GOOD, "prompt": p,
+                                                                                     "max_tokens": 3})
+                                               for p in prompts))
+            return before, responses, await scrape(client)
+
+    before, responses, after = asyncio.run(main())
+    assert [r.status_code for r in responses] == [200] * 64
+    assert all(r.json()["usage"]["completion_tokens"] == 3 for r in responses)
+
+    def delta(name, labels=""):
+        return metric(after, name, labels) - metric(before, name, labels)
+
+    assert delta("oasiskv:request_success_total", 'finished_reason="length"') == 64
+    assert delta("oasiskv:generation_tokens_total") == 64 * 3
+    assert delta("oasiskv:prompt_tokens_total") == sum(len(state.tokenizer.encode(p)) for p in prompts)
+    assert delta("oasiskv:time_to_first_token_seconds_count") == 64
+    assert delta("oasiskv:e2e_request_latency_seconds_count") == 64
+    assert delta("oasiskv:inter_token_latency_seconds_count") == 64 * 2
