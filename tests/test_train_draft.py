@@ -2,6 +2,7 @@
 logits, and a run interrupted and resumed ends where an uninterrupted run ends."""
 from __future__ import annotations
 
+import itertools
 import shutil
 
 import pytest
@@ -9,9 +10,13 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from oasiskv.cli import parser
+from oasiskv.config import ModelConfig
+from oasiskv.lookahead.draft_data import Conversation, draft_vocabulary
 from oasiskv.lookahead.train_draft import train
-from oasiskv.models.eagle3 import load_eagle3
+from oasiskv.lookahead.ttt import unrolled
+from oasiskv.models.eagle3 import Eagle3Config, Eagle3Head, load_eagle3
 from oasiskv.models.loader import load_model
+from oasiskv.policies.dense import sdpa
 from tests.test_eagle3 import Causal, one_thread  # noqa: F401  (one_thread: module-wide fixture)
 
 STEPS = 12
@@ -86,3 +91,46 @@ def test_resume_ends_where_an_uninterrupted_run_ends(trained, target_dir, tmp_pa
     assert resumed.losses == result.losses[STEPS // 2:]
     for (name, p), q in zip(resumed.head.named_parameters(), result.head.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_draft_vocabulary_is_the_most_frequent_reply_tokens_ascending():
+    conversations = [Conversation([9, 9, 5, 5, 5, 7], 2), Conversation([9, 3, 3, 9], 1)]  # prompts: 9 9 | 9
+    assert draft_vocabulary(conversations, 12, 3).tolist() == [3, 5, 7]  # 5 x3, 3 x2, then 7 before 9
+    assert draft_vocabulary(conversations, 12, 6).tolist() == [0, 1, 3, 5, 7, 9]  # unused low ids pad it
+
+
+class Chain:
+    """Inference-time drafting of one slot: the context's K/V, then one key per drafted step."""
+
+    def __init__(self):
+        self.k = self.v = None
+
+    def attend(self, layer, q, k, v):
+        self.k = k if self.k is None else torch.cat((self.k, k))
+        self.v = v if self.v is None else torch.cat((self.v, v))
+        ctx = self.k.shape[0]
+        mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - q.shape[0], ctx)[:, None]
+        return sdpa(q, self.k, self.v, q.shape[-1] ** -0.5, mask=mask)
+
+
+def test_unroll_step_k_equals_drafting_k_tokens_ahead():
+    """Slot t at unroll step k computes what drafting from position t does at its step k: real
+    context up to t, then its own earlier steps, the token of step k at position t + k."""
+    torch.manual_seed(0)
+    layer = ModelConfig.from_hf(dict(model_type="llama", vocab_size=50, hidden_size=32, intermediate_size=48,
+                                     num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+    cfg = Eagle3Config(layer, draft_vocab_size=32, target_hidden_size=24, capture_indices=(2, 3, 4),
+                       norm_before_residual=False)
+    head = Eagle3Head(cfg, torch.randn(50, 32))
+    batch, length, steps = 2, 7, 3
+    ids, features = torch.randint(0, 50, (batch, length)), torch.randn(batch * length, 3 * 24)
+    with torch.no_grad():
+        outs = [out.view(batch, length, -1) for out in unrolled(head, ids, features, steps)]
+        for b, t in itertools.product(range(batch), range(length - steps)):
+            chain = Chain()
+            rows = slice(b * length, b * length + t + 1)
+            out = head(ids[b, 1:t + 2], features[rows], torch.arange(t + 1), chain)[-1:]
+            torch.testing.assert_close(out[0], outs[0][b, t])
+            for k in range(1, steps):
+                out = head(ids[b, t + 1 + k:t + 2 + k], out, torch.tensor([t + k]), chain)
+                torch.testing.assert_close(out[0], outs[k][b, t])

@@ -3,6 +3,7 @@ unrolled draft loss with its attention mask."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -100,15 +101,23 @@ class UnrollResult:
     counted: list[torch.Tensor]  # per step: reply predictions counted
 
 
-def unroll(head: Eagle3Head, batch: Batch, targets: Targets, steps: int, decay: float) -> UnrollResult:
-    """Step k reads (embed(x_{t+1+k}), the head's step k-1 output at slot t; fc(features) at k = 0) at
-    position t + k and learns the target's distribution at position t + 1 + k."""
-    b, t = batch.token_ids.shape
-    slots = torch.arange(t, device=batch.token_ids.device).repeat(b)
-    backend, hidden = UnrollAttention(b), targets.features
-    loss, correct, counted = 0.0, [], []
+def unrolled(head: Eagle3Head, token_ids: torch.Tensor, features: torch.Tensor, steps: int) -> Iterator[torch.Tensor]:
+    """The head's pre-norm outputs [B*T, H] at unroll steps 0 .. steps-1. Step k reads, at slot t,
+    (embed(x_{t+1+k}), its own step k-1 output; fc(features) at k = 0) at position t + k, so its
+    output stands for the target's state at t + 1 + k."""
+    b, t = token_ids.shape
+    slots = torch.arange(t, device=token_ids.device).repeat(b)
+    backend, hidden = UnrollAttention(b), features
     for k in range(steps):
-        out = head(shifted(batch.token_ids, 1 + k).flatten(), hidden, slots + k, backend)
+        hidden = head(shifted(token_ids, 1 + k).flatten(), hidden, slots + k, backend)
+        yield hidden  # fed back pre-norm and not detached
+
+
+def unroll(head: Eagle3Head, batch: Batch, targets: Targets, steps: int, decay: float) -> UnrollResult:
+    """Loss and top-1 hits of every step against the target's distribution at position t + 1 + k."""
+    b, t = batch.token_ids.shape
+    loss, correct, counted = 0.0, [], []
+    for k, out in enumerate(unrolled(head, batch.token_ids, targets.features, steps)):
         logits = head.logits(out).view(b, t, -1)
         mask = shifted(targets.in_draft_vocab, 1 + k)
         soft_ce = -(shifted(targets.probs, 1 + k) * F.log_softmax(logits, -1)).sum(-1)
@@ -117,5 +126,4 @@ def unroll(head: Eagle3Head, batch: Batch, targets: Targets, steps: int, decay: 
         hits = head.to_target_ids(logits.argmax(-1)) == shifted(targets.token_ids, 1 + k)
         correct.append((hits & counts).sum())
         counted.append(counts.sum())
-        hidden = out  # fed back pre-norm and not detached
     return UnrollResult(loss, correct, counted)
