@@ -1,4 +1,4 @@
-"""`oasiskv serve` flags and `oasiskv bench serve` against a real server."""
+"""`oasiskv serve` flags, engine stats as Prometheus series, and `oasiskv bench serve` against a real server."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +9,7 @@ import pytest
 from oasiskv.bench import serve as bench_serve
 from oasiskv.cli import engine_config, parser
 from oasiskv.server.app import BackgroundServer, build_app
+from oasiskv.server.metrics import ServerMetrics
 
 
 def test_serve_takes_the_model_and_every_engine_flag():
@@ -17,6 +18,26 @@ def test_serve_takes_the_model_and_every_engine_flag():
     assert args.func.__name__ == "cmd_serve" and args.model_tag == "qwen3-0.6b" and args.port == 8123
     cfg = engine_config(args)
     assert cfg.scheduler.max_model_len == 512 and cfg.scheduler.max_num_seqs == 8 and cfg.kv.mode == "quest"
+
+
+def test_engine_stats_become_prometheus_series():
+    snapshot = {"running": 2, "waiting": 1, "gpu_kv_usage": 0.5, "host_kv_usage": 0.25, "host_kv_bytes_used": 4096,
+                "kv_blocks_used": 3,
+                "stats": {"kv_mode": "oasis", "preemptions": 1, "step_time_s": 1.5, "kv_hits": 6, "kv_misses": 2,
+                          "kv_agreement": 0.9, "kv_agreement_per_layer": [0.8, None], "kv_prefetch_bytes": 100,
+                          "kv_fetch_cap_blocks": 6, "kv_time_gather_s": 0.25}}
+    text = ServerMetrics("m").render(snapshot).decode()
+    for line in ('oasiskv:num_requests_running{model_name="m"} 2.0',
+                 'oasiskv:host_kv_cache_used_bytes{model_name="m"} 4096.0',
+                 'oasiskv:kv_cache_usage_perc{model_name="m"} 0.5', 'oasiskv:num_preemptions_total{model_name="m"} 1.0',
+                 'oasiskv:kv_hit_rate{model_name="m"} 0.75', 'oasiskv:kv_agreement{model_name="m"} 0.9',
+                 'oasiskv:kv_agreement_per_layer{layer="0",model_name="m"} 0.8',
+                 'oasiskv:kv_prefetch_bytes_total{model_name="m"} 100.0',
+                 'oasiskv:kv_fetch_cap_blocks{model_name="m"} 6.0',
+                 'oasiskv:kv_time_gather_seconds_total{model_name="m"} 0.25',
+                 'oasiskv:cache_config_info{kv_mode="oasis",model_name="m"} 1.0'):
+        assert line in text.splitlines(), line
+    assert "# TYPE oasiskv:kv_prefetch_bytes_total counter" in text and "_created" not in text
 
 
 @pytest.fixture(scope="module")

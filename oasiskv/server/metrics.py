@@ -18,6 +18,7 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                960.0, 1920.0, 7680.0)
 ENGINE_COUNTERS = {"preemptions": "num_preemptions", "steps": "engine_steps", "prefill_tokens": "engine_prefill_tokens",
                    "decode_tokens": "engine_decode_tokens", "step_time_s": "engine_step_time_seconds"}
+GAUGE_HINTS = ("rate", "agreement", "cap", "max_", "per_step")  # engine stats that are not running totals
 
 
 class ServerMetrics:
@@ -89,24 +90,41 @@ class EngineCollector:
         stats = snap["stats"]
         yield info_gauge(name, stats)
         for key, value in stats.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            yield engine_series(key, value, name)
-        if "kv_hits" in stats and "kv_misses" in stats:
+            if isinstance(value, list) and all(is_number(v) or v is None for v in value):
+                yield per_layer_gauge(key, value, name)
+            elif is_number(value):
+                yield engine_series(key, value, name)
+        if "kv_hit_rate" not in stats and "kv_hits" in stats and "kv_misses" in stats:
             looked_up = stats["kv_hits"] + stats["kv_misses"]
             yield gauge(P + "kv_hit_rate", "Share of selected KV blocks already resident on the GPU", name,
                         stats["kv_hits"] / looked_up if looked_up else 0.0)
 
 
-def engine_series(key: str, value, model_name: str):
-    """Engine counters are counters (`_total`); ratios (floats that are not seconds) are gauges."""
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def series_name(key: str) -> str:
     name = P + ENGINE_COUNTERS.get(key, key if key.startswith("kv_") else f"engine_{key}")
-    if key.endswith("_s") and key not in ENGINE_COUNTERS:
-        name = name[:-2] + "_seconds"
-    if isinstance(value, float) and not key.endswith("_s"):
+    return name[:-2] + "_seconds" if key.endswith("_s") and key not in ENGINE_COUNTERS else name
+
+
+def engine_series(key: str, value, model_name: str):
+    """Engine counts are counters (`_total`); ratios, rates, caps and maxima are gauges."""
+    name = series_name(key)
+    if (isinstance(value, float) and not key.endswith("_s")) or any(h in key for h in GAUGE_HINTS):
         return gauge(name, f"engine.stats_dict()[{key!r}]", model_name, value)
     family = CounterMetricFamily(name, f"engine.stats_dict()[{key!r}]", labels=["model_name"])
     family.add_metric([model_name], value)
+    return family
+
+
+def per_layer_gauge(key: str, values: list, model_name: str) -> GaugeMetricFamily:
+    """A per-layer list (e.g. kv_agreement_per_layer) as one gauge with a `layer` label."""
+    family = GaugeMetricFamily(series_name(key), f"engine.stats_dict()[{key!r}]", labels=["model_name", "layer"])
+    for layer, value in enumerate(values):
+        if value is not None:
+            family.add_metric([model_name, str(layer)], float(value))
     return family
 
 
@@ -117,6 +135,7 @@ def gauge(name: str, doc: str, model_name: str, value) -> GaugeMetricFamily:
 
 
 def info_gauge(model_name: str, stats: dict) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(P + "cache_config_info", "KV configuration (in labels)", labels=["model_name", "kv_mode"])
+    family = GaugeMetricFamily(P + "cache_config_info", "KV configuration (in labels)",
+                               labels=["model_name", "kv_mode"])
     family.add_metric([model_name, str(stats.get("kv_mode", ""))], 1.0)
     return family
