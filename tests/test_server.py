@@ -138,10 +138,11 @@ def test_n_choices_with_a_seed_are_reproducible(served, client):
 def test_streamed_completion_chunks_and_usage(served, http):
     _, _, refs = served
     body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     events = sse_events(http.post("/v1/completions", json=body))
     *chunks, last = events
     assert all(c["object"] == "text_completion" and len(c["choices"]) == 1 for c in chunks)
+    assert [c["usage"]["completion_tokens"] for c in chunks] == list(range(1, 9))  # one token per step
     assert "".join(c["choices"][0]["text"] for c in chunks) == refs["completions"][0].outputs[0].text
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert last["choices"] == [] and last["usage"]["completion_tokens"] == 8

@@ -82,6 +82,8 @@ class EngineLoop:
 
         def run():
             try:
+                if self.error:  # the engine died while this command waited
+                    raise EngineDeadError(self.error)
                 result, error = fn(), None
             except Exception as e:  # handed to the caller
                 result, error = None, e
@@ -112,16 +114,18 @@ class EngineLoop:
     # -- engine thread ---------------------------------------------------------------------------
     def run(self) -> None:
         while not self.stopping:
-            self.run_commands(block=not self.engine.has_unfinished())
-            if self.stopping or not self.engine.has_unfinished():
+            self.run_commands(block=not self.has_work())
+            if self.stopping or not self.has_work():
                 continue
             try:
                 self.engine.step()
+                self.publish()
             except Exception as e:  # the engine is broken: fail everyone, refuse new work
                 log.exception("engine step failed")
                 self.fail(f"engine step failed: {e!r}")
-                return
-            self.publish()
+
+    def has_work(self) -> bool:
+        return self.error is None and self.engine.has_unfinished()
 
     def run_commands(self, block: bool) -> None:
         try:

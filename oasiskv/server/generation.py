@@ -222,10 +222,12 @@ class GenerationJob:
         """SSE: the subclass's chunks, the usage chunk if asked for, `data: [DONE]`. An engine failure
         becomes an error event; a client that goes aborts the submission at once."""
         watcher = asyncio.ensure_future(close_on_disconnect(request, self.sub))
+        options = self.body.stream_options
         try:
             async for payload in self.chunks():
+                if options and options.continuous_usage_stats:
+                    payload["usage"] = self.usage(self.generated)
                 yield sse(payload)
-            options = self.body.stream_options
             if options and options.include_usage:
                 yield sse(self.chunk([], self.usage(self.generated)))
         except APIError as e:
