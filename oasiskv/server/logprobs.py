@@ -19,13 +19,18 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # the k most likely tokens, most likely first
 
 
-def token_logprob(row: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
-    """row: log-probabilities over the vocabulary [V]."""
-    top = []
-    if k:
-        values, ids = torch.topk(row, k)
-        top = list(zip(ids.tolist(), values.tolist()))
-    return TokenLogprob(token_id, float(row[token_id]), top)
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], ks: list[int]) -> list[TokenLogprob]:
+    """logits [N, V] -> for row i: the logprob of token_ids[i] and the ks[i] most likely tokens.
+    One log_softmax, one gather, one topk and one copy to the host for all rows."""
+    rows = torch.log_softmax(logits.float(), dim=-1)
+    targets = torch.tensor(token_ids, dtype=torch.long, device=rows.device)
+    chosen = rows.gather(1, targets[:, None]).squeeze(1).tolist()
+    top_values, top_ids = [[]] * len(token_ids), [[]] * len(token_ids)
+    if max(ks, default=0):
+        values, ids = torch.topk(rows, max(ks), dim=-1)
+        top_values, top_ids = values.tolist(), ids.tolist()
+    return [TokenLogprob(t, lp, list(zip(top_ids[i][:k], top_values[i][:k])))
+            for i, (t, lp, k) in enumerate(zip(token_ids, chosen, ks))]
 
 
 class LogprobSampler:
@@ -39,11 +44,12 @@ class LogprobSampler:
 
     def sample(self, logits: torch.Tensor, request_ids: list[str], params, *args, **kwargs) -> list[int]:
         tokens = self.inner.sample(logits, request_ids, params, *args, **kwargs)
-        for i, (rid, token) in enumerate(zip(request_ids, tokens)):
-            k = self.wanted.get(rid)
-            if k is not None:
-                row = torch.log_softmax(logits[i].float(), dim=-1)
-                self.recorded[rid].append(token_logprob(row, int(token), k))
+        rows = [i for i, rid in enumerate(request_ids) if rid in self.wanted]
+        if rows:
+            ks = [self.wanted[request_ids[i]] for i in rows]
+            found = token_logprobs(logits[rows], [int(tokens[i]) for i in rows], ks)
+            for i, lp in zip(rows, found):
+                self.recorded[request_ids[i]].append(lp)
         return tokens
 
     def take(self, request_id: str) -> list[TokenLogprob]:
@@ -73,8 +79,7 @@ def prompt_logprobs(model, token_ids: list[int], k: int, device, rows_per_chunk:
     out: list[TokenLogprob | None] = [None]
     for start in range(0, len(ids) - 1, rows_per_chunk):  # position p predicts token p + 1
         end = min(start + rows_per_chunk, len(ids) - 1)
-        rows = torch.log_softmax(model.logits(hidden[start:end]).float(), dim=-1)
-        out += [token_logprob(rows[j], token_ids[start + j + 1], k) for j in range(end - start)]
+        out += token_logprobs(model.logits(hidden[start:end]), token_ids[start + 1:end + 1], [k] * (end - start))
     return out
 
 
