@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from fastapi.responses import Response
 
-from oasiskv.server.generation import Choice, GenerationJob, Submission, check_context, sampling_params
+from oasiskv.server.generation import Choice, Submission
+from oasiskv.server.job import GenerationJob, check_context, sampling_params
 from oasiskv.server.logprobs import chat_logprobs
 from oasiskv.server.protocol import APIError, ChatCompletionRequest
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse, Response
 
-from oasiskv.server.generation import Choice, GenerationJob, Submission, check_context, sampling_params
+from oasiskv.server.generation import Choice, Submission
+from oasiskv.server.job import GenerationJob, check_context, sampling_params
 from oasiskv.server.logprobs import CompletionLogprobs
 from oasiskv.server.protocol import APIError, CompletionRequest
 
