@@ -43,7 +43,7 @@ class Tracked:
     index: int  # the choice index its outputs are tagged with
     num_prompt_tokens: int
     sent: int = 0
-    arrival: float = field(default_factory=time.perf_counter)
+    arrival: float = field(default_factory=time.perf_counter)  # when the HTTP side submitted it
     first_token: float | None = None
     last_token: float | None = None
 
@@ -96,10 +96,10 @@ class EngineLoop:
                   ) -> tuple[list[str], asyncio.Queue]:
         """Queues one engine request per (prompt, params), all or none. Outputs arrive in the returned
         queue as (choice index, Output)."""
-        loop, out = asyncio.get_running_loop(), asyncio.Queue()
+        loop, out, arrival = asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter()
         base = f"http-{uuid.uuid4().hex[:16]}"
         ids = [f"{base}-{i}" for i in range(len(prompts))]
-        await self.call(lambda: self._add_all(ids, prompts, params, top_logprobs, loop, out))
+        await self.call(lambda: self._add_all(ids, prompts, params, top_logprobs, (loop, out, arrival)))
         return ids, out
 
     def abort(self, request_ids: list[str]) -> None:
@@ -142,7 +142,7 @@ class EngineLoop:
     def _stop(self) -> None:
         self.stopping = True
 
-    def _add_all(self, ids, prompts, params, top_logprobs, loop, out) -> None:
+    def _add_all(self, ids, prompts, params, top_logprobs, reply_to) -> None:
         added = []
         try:
             for rid, prompt, p in zip(ids, prompts, params):
@@ -154,8 +154,9 @@ class EngineLoop:
                 self.engine.pop_finished(rid)
             prefix = f"prompt {len(added)}: " if len(ids) > 1 else ""
             raise ValueError(prefix + str(e)) from e
+        loop, out, arrival = reply_to
         for index, (rid, prompt) in enumerate(zip(ids, prompts)):
-            self.tracked[rid] = Tracked(loop, out, index, len(prompt))
+            self.tracked[rid] = Tracked(loop, out, index, len(prompt), arrival=arrival)
             if top_logprobs is not None:
                 self.sampler.wanted[rid] = top_logprobs
 
