@@ -120,6 +120,12 @@ def cmd_chat(args) -> None:
         print(f"model> {reply}")
 
 
+def cmd_eval(args) -> None:
+    from oasiskv.evals.cli import main as eval_main
+
+    eval_main(args)
+
+
 def cmd_bench(args) -> None:
     from oasiskv.bench.throughput import run_from_args
 
@@ -175,6 +181,11 @@ def parser() -> argparse.ArgumentParser:
     add_bench_args(bench)
     add_engine_args(bench)
     bench.set_defaults(func=cmd_bench)
+    evaluate = sub.add_parser("eval", help="accuracy of every KV mode against dense on long texts")
+    from oasiskv.evals.cli import add_args as add_eval_args
+
+    add_eval_args(evaluate)
+    evaluate.set_defaults(func=cmd_eval)
     add_serve_parser(sub)
     train_draft = sub.add_parser("train-draft", help="train an EAGLE-3 draft head for the target model")
     from oasiskv.lookahead.train_draft import add_args as add_train_draft_args

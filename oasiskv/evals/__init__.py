@@ -1,0 +1,1 @@
+"""Accuracy harness: `oasiskv eval` runs every KV mode against its own dense anchor (see cli.py)."""

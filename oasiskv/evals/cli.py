@@ -1,0 +1,102 @@
+"""`oasiskv eval`: every mode against its own dense anchor, on real long texts.
+
+Engine flags come from oasiskv.cli.add_engine_args; this module replaces the KV ones that become
+lists here (--kv-budget, --fetch-cap, --draft) and --kv-mode (use --modes)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+# (full run, --quick) defaults of the flags whose value depends on --quick
+SIZES = {"context": ("4096,8192", "1024"), "kv_budget": ("512,1024,2048", "256"), "samples": (20, 2),
+         "windows": (8, 2), "scored": (256, 16), "gen_tokens": (256, 16), "batch": (16, 4)}
+
+
+def csv(kind):
+    def parse(text: str):
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list: {e}")
+    return parse
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    from oasiskv.cli import add_engine_args
+
+    add_engine_args(p)
+    p.conflict_handler = "resolve"  # the list-valued flags below replace the engine's scalar ones
+    from oasiskv.evals.tasks import ALL_TASKS
+    from oasiskv.evals.texts import CORPORA
+
+    g = p.add_argument_group("eval")
+    g.add_argument("--modes", "--kv-mode", dest="modes", type=csv(str), default=csv(str)("dense,quest,retrieval"),
+                   help="KV modes to compare with dense (dense always runs as the anchor)")
+    g.add_argument("--context", type=csv(int), default=None, help=f"context lengths (default {SIZES['context'][0]}; "
+                   f"--quick {SIZES['context'][1]})")
+    g.add_argument("--kv-budget", type=csv(int), default=None,
+                   help=f"budgets in tokens (default {SIZES['kv_budget'][0]}; --quick {SIZES['kv_budget'][1]})")
+    g.add_argument("--fetch-cap", type=csv(float), default=None, help="oasis fetch caps, e.g. 0.01,0.05,1")
+    g.add_argument("--draft", type=csv(str), default=None, help="oasis draft sources, e.g. ngram,repeat")
+    g.add_argument("--tasks", type=csv(str), default=list(ALL_TASKS), help=f"subset of {','.join(ALL_TASKS)}")
+    g.add_argument("--corpus", default="austen", choices=CORPORA, help="haystack and perplexity text")
+    g.add_argument("--cache-dir", default=None, help="where fetched texts live (default ~/.cache/oasiskv/evals)")
+    g.add_argument("--samples", type=int, default=None, help="samples per synthetic task")
+    g.add_argument("--windows", type=int, default=None, help="perplexity windows (copy, long output: half)")
+    g.add_argument("--scored", type=int, default=None, help="teacher-forced tokens per window")
+    g.add_argument("--gen-tokens", type=int, default=None, help="greedy tokens of the long-output task")
+    g.add_argument("--batch", type=int, default=None, help="requests run at once")
+    g.add_argument("--task-seed", type=int, default=0, help="seed of the task generators")
+    g.add_argument("--chat", action="store_true", help="wrap synthetic prompts in the chat template")
+    g.add_argument("--json", default=None, help="write the results here")
+    g.add_argument("--plot", default=None, help="write a PNG of drop against budget here")
+    g.add_argument("--quick", action="store_true", help="a small run for the CPU (a few minutes)")
+
+
+def fill_sizes(args: argparse.Namespace) -> None:
+    for name, (full, quick) in SIZES.items():
+        if getattr(args, name) is None:
+            value = quick if args.quick else full
+            setattr(args, name, csv(int)(value) if isinstance(value, str) else value)
+
+
+def base_config(args: argparse.Namespace):
+    """The engine configuration of the flags, through oasiskv.cli.engine_config with scalar KV values."""
+    from oasiskv.cli import engine_config
+    from oasiskv.config import KVConfig
+
+    defaults = KVConfig()
+    scalar = dict(vars(args), kv_mode="dense", kv_budget=args.kv_budget[0])
+    for name in ("fetch_cap", "draft"):
+        values = getattr(args, name)
+        scalar[name] = values[0] if values else getattr(defaults, name, None)
+    return engine_config(argparse.Namespace(**scalar))
+
+
+def main(args: argparse.Namespace) -> None:
+    from oasiskv.evals.harness import expand_variants, run_eval
+    from oasiskv.evals.report import plot, table, write_json
+    from oasiskv.evals.tasks import Settings
+    from oasiskv.evals.texts import load_corpus
+
+    fill_sizes(args)
+    settings = Settings(samples=args.samples, windows=args.windows, scored=args.scored, gen_tokens=args.gen_tokens,
+                        seed=args.task_seed, chat=args.chat)
+    variants = expand_variants(args.modes, args.kv_budget, args.fetch_cap, args.draft)
+    t0 = time.perf_counter()
+    try:
+        documents = load_corpus(args.corpus, args.cache_dir)
+        rows = run_eval(base_config(args), args.context, variants, args.tasks, settings, documents, args.batch,
+                        log=lambda m: print(m, file=sys.stderr, flush=True))
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        raise SystemExit(f"error: {e}")
+    print(table(rows))
+    print(f"{len(variants) + 1} configurations x {len(args.context)} contexts in {time.perf_counter() - t0:.0f} s")
+    config = {k: v for k, v in vars(args).items() if k != "func"}
+    if args.json:
+        write_json(args.json, rows, config)
+        print(f"wrote {args.json}")
+    if args.plot and variants:
+        plot(args.plot, rows)
+        print(f"wrote {args.plot}")

@@ -1,0 +1,166 @@
+"""Runs the tasks on dense and on every mode variant, context by context. A variant is an engine
+configuration: a KV mode, a budget and (oasis) a fetch cap and a draft source; a mode the engine
+does not know is passed through to KVConfig, whose validate() says what is wrong."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import time
+from dataclasses import dataclass
+
+import torch
+
+from oasiskv.config import EngineConfig, KVConfig
+from oasiskv.evals.haystack import Haystack
+from oasiskv.evals.tasks import SYNTHETIC, Settings, build_task
+
+LOOKAHEAD_MODES = ("oasis",)  # modes that take a fetch cap and a draft source
+
+
+@dataclass(frozen=True)
+class Variant:
+    mode: str
+    budget: int | None = None
+    fetch_cap: float | None = None
+    draft: str | None = None
+
+    @property
+    def label(self) -> str:
+        if self.mode == "dense":
+            return "dense"
+        text = f"{self.mode}@{self.budget}"
+        if self.fetch_cap is not None:
+            text += f" cap={self.fetch_cap:g}"
+        return text + (f" {self.draft}" if self.draft else "")
+
+
+DENSE = Variant("dense")
+
+
+def expand_variants(modes: list[str], budgets: list[int], caps: list[float] | None,
+                    drafts: list[str] | None) -> list[Variant]:
+    """Every non-dense mode at every budget; lookahead modes also at every cap and draft source."""
+    out = []
+    for mode in dict.fromkeys(modes):
+        if mode == "dense":
+            continue
+        for budget in budgets:
+            if mode in LOOKAHEAD_MODES:
+                out += [Variant(mode, budget, c, d) for c in caps or [None] for d in drafts or [None]]
+            else:
+                out.append(Variant(mode, budget))
+    return out
+
+
+def variant_config(base: EngineConfig, v: Variant) -> EngineConfig:
+    changes = {"mode": v.mode}
+    for name in ("budget", "fetch_cap", "draft"):
+        if getattr(v, name) is not None:
+            changes[name] = getattr(v, name)
+    missing = [n for n in changes if n not in {f.name for f in dataclasses.fields(KVConfig)}]
+    if missing:
+        raise ValueError(f"this engine's KVConfig has no field {missing[0]!r} (mode {v.mode} not available yet?)")
+    kv = dataclasses.replace(base.kv, **changes)
+    kv.validate(base.cache.block_size, 10 ** 9)
+    return base.replace(kv=kv)
+
+
+def sized_config(base: EngineConfig, context: int, batch: int) -> EngineConfig:
+    """Room for `batch` requests of `context` tokens and no more: a pool sized for the work keeps
+    the CPU runs fast and never preempts (a preempted request would recompute by prefill)."""
+    per_request = -(-context // base.cache.block_size) + 2
+    cache = base.cache if base.cache.num_kv_blocks else dataclasses.replace(base.cache,
+                                                                           num_kv_blocks=batch * per_request)
+    sched = dataclasses.replace(base.scheduler, max_num_seqs=batch)
+    return base.replace(cache=cache, scheduler=sched, show_progress=False)
+
+
+_LOADED: dict[str, object] = {}  # models loaded under shared_weights, kept for the process
+
+
+@contextlib.contextmanager
+def shared_weights():
+    """Loads each model once per process for all the engines built inside: the engine calls
+    oasiskv.engine.engine.load_model, whose result (weights, tokenizer) is read-only, so engines of
+    different KV modes can share it."""
+    import oasiskv.engine.engine as engine_module
+
+    original = engine_module.load_model
+
+    def load_once(*args, **kwargs):
+        key = repr((args, sorted(kwargs.items())))
+        if key not in _LOADED:
+            _LOADED[key] = original(*args, **kwargs)
+        return _LOADED[key]
+
+    engine_module.load_model = load_once
+    try:
+        yield
+    finally:
+        engine_module.load_model = original
+
+
+def build_llm(config: EngineConfig):
+    from oasiskv.api import LLM
+
+    return LLM.from_config(config)
+
+
+def release(llm) -> None:
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_eval(base: EngineConfig, contexts: list[int], variants: list[Variant], task_names: list[str],
+             settings: Settings, documents: list[str], batch: int, log=print) -> list[dict]:
+    """Rows of {context, variant, mode, budget, fetch_cap, draft, task, metric, value, dense}."""
+    tasks = [build_task(n) for n in task_names]
+    for v in variants:
+        variant_config(base, v)  # fail before any work on a mode or flag the engine does not accept
+    rows = []
+    with shared_weights():
+        for context in contexts:
+            config = sized_config(base, context, batch)
+            llm = build_llm(variant_config(config, DENSE))
+            hay = Haystack(documents, llm.tokenizer)
+            inputs = {t.name: t.prepare(hay, context, settings) for t in tasks}
+            dense, references = run_variant(llm, DENSE, tasks, inputs, settings, None, context, log)
+            release(llm)
+            rows += dense
+            dense_values = {(r["task"], r["metric"]): r["value"] for r in dense}
+            for v in variants:
+                llm = build_llm(variant_config(config, v))
+                found, _ = run_variant(llm, v, tasks, inputs, settings, references, context, log)
+                release(llm)
+                for r in found:
+                    r["dense"] = dense_values.get((r["task"], r["metric"]))
+                rows += found
+    return rows
+
+
+def run_variant(llm, v: Variant, tasks, inputs, settings, references, context, log):
+    rows, produced = [], {}
+    t0 = time.perf_counter()
+    for t in tasks:
+        log(f"[eval] context {context} | {v.label} | {t.name}")
+        reference = references[t.name] if references else None
+        metrics, produced[t.name] = t.run(llm, inputs[t.name], settings, reference)
+        rows += [row(context, v, t.name, m, value) for m, value in metrics.items()]
+    scores = [r["value"] for r in rows if r["task"] in SYNTHETIC]
+    if scores:
+        rows.append(row(context, v, "synthetic", "mean_score", sum(scores) / len(scores)))
+    stats = llm.engine.stats_dict()
+    if "kv_agreement" in stats:  # lookahead modes: block agreement of the prediction, per layer too
+        r = row(context, v, "lookahead", "agreement", 100.0 * stats["kv_agreement"])
+        r["per_layer"] = [100.0 * a for a in stats.get("kv_agreement_per_layer", [])]
+        rows.append(r)
+    rows.append(row(context, v, "run", "seconds", time.perf_counter() - t0))
+    return rows, produced
+
+
+def row(context: int, v: Variant, task: str, metric: str, value: float) -> dict:
+    return {"context": context, "variant": v.label, **dataclasses.asdict(v), "task": task, "metric": metric,
+            "value": float(value), "dense": float(value) if v.mode == "dense" else None}

@@ -1,0 +1,93 @@
+"""The results: a table of each mode's value and drop against dense, a JSON file, a plot of drop
+against budget. A drop is oriented so that positive means worse than dense."""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+from oasiskv.evals.tasks import HIGHER_IS_BETTER
+
+PLOTTED = (("ppl", "top1_agree"), ("ppl", "kl"), ("copy", "copy_acc"), ("synthetic", "mean_score"),
+           ("long_output", "same_tokens"), ("lookahead", "agreement"))
+
+
+def drop(r: dict) -> float | None:
+    if r["dense"] is None or r["mode"] == "dense":
+        return None
+    diff = r["value"] - r["dense"]
+    return -diff if HIGHER_IS_BETTER.get(r["metric"], True) else diff
+
+
+def with_drops(rows: list[dict]) -> list[dict]:
+    return [{**r, "drop": drop(r)} for r in rows]
+
+
+def fmt(metric: str, value: float | None) -> str:
+    if value is None:
+        return "-"
+    if metric == "kl":
+        return f"{value:.4f}"
+    if metric == "seconds":
+        return f"{value:.0f}s"
+    return f"{value:.2f}" if abs(value) < 100 else f"{value:.1f}"
+
+
+def table(rows: list[dict]) -> str:
+    """Per context: one line per task metric, one column per variant (dense first): value, and the
+    drop against dense in parentheses."""
+    out = []
+    for context in sorted({r["context"] for r in rows}):
+        mine = [r for r in rows if r["context"] == context]
+        variants = list(dict.fromkeys(r["variant"] for r in mine))
+        cells = defaultdict(dict)
+        for r in mine:
+            d = drop(r)
+            text = fmt(r["metric"], r["value"]) + (f" ({fmt(r['metric'], d)})" if d is not None else "")
+            cells[f"{r['task']}.{r['metric']}"][r["variant"]] = text
+        head = ["metric"] + variants
+        body = [[name] + [cells[name].get(v, "") for v in variants] for name in cells]
+        widths = [max(len(line[i]) for line in [head] + body) for i in range(len(head))]
+        out.append(f"context {context} tokens: value (drop vs dense; positive = worse)")
+        for line in [head] + body:
+            out.append("  ".join(cell.ljust(w) for cell, w in zip(line, widths)))
+        out.append("")
+    return "\n".join(out)
+
+
+def write_json(path: str, rows: list[dict], config: dict) -> None:
+    with open(path, "w") as f:
+        json.dump({"config": config, "results": with_drops(rows)}, f, indent=1)
+
+
+def plot(path: str, rows: list[dict]) -> None:
+    """Drop against budget, one panel per plotted metric, one line per mode variant and context."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [p for p in PLOTTED if any((r["task"], r["metric"]) == p and drop(r) is not None for r in rows)]
+    if not panels:
+        raise ValueError("nothing to plot: no mode besides dense was run")
+    cols = min(3, len(panels))
+    nrows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.6 * nrows), squeeze=False)
+    for ax, (task, metric) in zip(axes.flat, panels):
+        lines = defaultdict(list)
+        for r in rows:
+            if (r["task"], r["metric"]) == (task, metric) and drop(r) is not None:
+                name = r["variant"].split("@")[0] + "".join(f" {x}" for x in r["variant"].split(" ")[1:])
+                lines[(name, r["context"])].append((r["budget"], drop(r)))
+        for (name, context), points in sorted(lines.items()):
+            points.sort()
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{name} {context // 1024}K")
+        ax.axhline(0, color="grey", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{task}: {metric} drop vs dense")
+        ax.set_xlabel("KV budget (tokens)")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,131 @@
+"""The eval harness without a model: task generators are deterministic under a seed, fit their
+context, and their answers are what a brute-force reading of the prompt finds."""
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections import Counter
+
+import pytest
+
+from oasiskv.evals.harness import Variant, expand_variants, variant_config
+from oasiskv.evals.haystack import Haystack, insert_sentences
+from oasiskv.evals.report import drop, plot, table, write_json
+from oasiskv.evals.synthetic import make_samples, string_match_all
+from oasiskv.evals.texts import join_lines, load_corpus
+from oasiskv.config import EngineConfig
+from oasiskv.models.tokenizer import ByteTokenizer
+
+CONTEXT = 1024
+
+
+@pytest.fixture(scope="module")
+def haystack():
+    return Haystack(load_corpus("sample"), ByteTokenizer())
+
+
+def prompt_text(sample) -> str:
+    return ByteTokenizer().decode(sample.prompt_ids)
+
+
+def test_builtin_sample_and_line_joining():
+    text = load_corpus("sample")[0]
+    assert text.startswith("Chapter 1") and "Netherfield" in text and 6000 < len(text) < 12000
+    assert join_lines(["a b", "c", "", "", "d"]) == "a b c\n\nd"
+    assert len(load_corpus("stdlib")) > 10
+
+
+@pytest.mark.parametrize("task", ["niah_single", "niah_multikey", "niah_multivalue", "vt", "cwe"])
+def test_samples_are_deterministic_and_fit_the_context(haystack, task):
+    a = make_samples(task, haystack, CONTEXT, 3, seed=5)
+    b = make_samples(task, haystack, CONTEXT, 3, seed=5)
+    c = make_samples(task, haystack, CONTEXT, 3, seed=6)
+    assert [s.prompt_ids for s in a] == [s.prompt_ids for s in b]
+    assert [s.prompt_ids for s in a] != [s.prompt_ids for s in c]
+    for s in a:
+        assert CONTEXT - 64 <= len(s.prompt_ids) + s.max_tokens <= CONTEXT
+
+
+@pytest.mark.parametrize("task,keys,values", [("niah_single", 1, 1), ("niah_multikey", 4, 1),
+                                               ("niah_multivalue", 1, 4)])
+def test_needle_answers_match_a_brute_force_reading(haystack, task, keys, values):
+    for s in make_samples(task, haystack, CONTEXT, 4, seed=1):
+        text = prompt_text(s)
+        found = re.findall(r"One of the special magic numbers for ([a-z]+-[a-z]+) is: (\d{7})\.", text)
+        asked = re.search(r"magic numbers? for ([a-z]+-[a-z]+) mentioned", text).group(1)
+        assert len({k for k, _ in found}) == keys and len(found) == keys - 1 + values
+        assert sorted(s.answers) == sorted(v for k, v in found if k == asked)
+
+
+def test_variable_tracking_answers_match_a_brute_force_resolution(haystack):
+    for s in make_samples("vt", haystack, CONTEXT, 4, seed=2):
+        text = prompt_text(s)
+        assigned = dict(re.findall(r"VAR ([A-Z]{5}) = (\d{5}|VAR [A-Z]{5})\.", text))
+
+        def resolve(name):
+            value = assigned[name]
+            return resolve(value[4:]) if value.startswith("VAR ") else value
+
+        value = re.search(r"assigned the value (\d{5}) in the text", text).group(1)
+        assert sorted(s.answers) == sorted(n for n in assigned if resolve(n) == value)
+        assert len(s.answers) == 5
+
+
+def test_common_words_answers_are_the_most_frequent(haystack):
+    for s in make_samples("cwe", haystack, CONTEXT, 3, seed=3):
+        listed = re.findall(r"\d+\. ([a-z]+)", prompt_text(s).split("\n\n")[1])
+        counts = Counter(listed).most_common()
+        top = [w for w, _ in counts[:3]]
+        assert sorted(top) == sorted(s.answers)
+        assert counts[2][1] > counts[3][1]  # a strict gap: the answer is unambiguous
+
+
+def test_insert_sentences_keeps_order_and_depth():
+    text = "One. Two. Three. Four."
+    assert insert_sentences(text, ["A.", "B."], [0.0, 1.0]) == "A. One. Two. Three. Four. B."
+    assert insert_sentences(text, ["A.", "B."], [0.5, 0.5]) == "One. Two. A. B. Three. Four."
+
+
+def test_windows_are_deterministic_token_windows(haystack):
+    w1 = haystack.window_ids(3000, random.Random(1))
+    assert w1 == haystack.window_ids(3000, random.Random(1)) and len(w1) == 3000  # longer than the sample
+
+
+def test_string_match_all():
+    assert string_match_all("The numbers are 123 and 456.", ["123", "456", "789"]) == pytest.approx(2 / 3)
+
+
+def test_variants_and_configs():
+    variants = expand_variants(["dense", "quest", "oasis"], [256, 512], [0.05, 1.0], ["ngram"])
+    assert Variant("quest", 256) in variants and Variant("oasis", 512, 1.0, "ngram") in variants
+    assert len(variants) == 2 + 4 and all(v.mode != "dense" for v in variants)
+    assert Variant("oasis", 512, 0.05, "ngram").label == "oasis@512 cap=0.05 ngram"
+    assert variant_config(EngineConfig(), Variant("quest", 256)).kv.budget == 256
+    with pytest.raises(ValueError, match="kv-mode"):
+        variant_config(EngineConfig(), Variant("no-such-mode", 256))
+
+
+def rows_for_report():
+    base = {"context": 1024, "fetch_cap": None, "draft": None}
+    return [
+        {**base, "variant": "dense", "mode": "dense", "budget": None, "task": "ppl", "metric": "ppl",
+         "value": 10.0, "dense": 10.0},
+        {**base, "variant": "quest@128", "mode": "quest", "budget": 128, "task": "ppl", "metric": "ppl",
+         "value": 12.0, "dense": 10.0},
+        {**base, "variant": "quest@128", "mode": "quest", "budget": 128, "task": "ppl", "metric": "top1_agree",
+         "value": 90.0, "dense": 100.0},
+        {**base, "variant": "quest@256", "mode": "quest", "budget": 256, "task": "ppl", "metric": "top1_agree",
+         "value": 95.0, "dense": 100.0},
+    ]
+
+
+def test_drops_point_the_same_way_and_report_files(tmp_path):
+    rows = rows_for_report()
+    assert drop(rows[0]) is None and drop(rows[1]) == 2.0 and drop(rows[2]) == 10.0  # worse is positive
+    text = table(rows)
+    assert "quest@128" in text and "12.00 (2.00)" in text
+    write_json(tmp_path / "r.json", rows, {"quick": True})
+    assert json.loads((tmp_path / "r.json").read_text())["results"][2]["drop"] == 10.0
+    plot(tmp_path / "r.png", rows)
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
