@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from oasiskv.config import KV_MODES, CacheConfig, EngineConfig, KVConfig, SamplingParams, SchedulerConfig
+from oasiskv.config import DRAFTS, KV_MODES, MISS_POLICIES, CacheConfig, EngineConfig, KVConfig, SamplingParams, SchedulerConfig
 
 ENGINE_DEFAULTS, CACHE_DEFAULTS, SCHED_DEFAULTS, KV_DEFAULTS = EngineConfig(), CacheConfig(), SchedulerConfig(), KVConfig()
 SAMPLING_DEFAULTS = SamplingParams()
@@ -36,6 +36,31 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--dense-layers", type=int, default=KV_DEFAULTS.dense_layers, help="first N layers stay dense")
     k.add_argument("--host-kv-gb", type=float, default=KV_DEFAULTS.host_kv_gb,
                    help="host store size (default: what the machine can spare)")
+    o = p.add_argument_group("oasis lookahead (--kv-mode oasis)")
+    o.add_argument("--fetch-cap", type=float, default=KV_DEFAULTS.fetch_cap,
+                   help="at most this share of the budget prefetched per request per layer per step (1: no cap)")
+    o.add_argument("--draft", default=KV_DEFAULTS.draft, choices=DRAFTS,
+                   help="where the lookahead token comes from (eagle3 needs --draft-model)")
+    o.add_argument("--draft-model", default=KV_DEFAULTS.draft_model, help="EAGLE-3 head directory")
+    o.add_argument("--miss-policy", default=KV_DEFAULTS.miss_policy, choices=MISS_POLICIES,
+                   help="selected blocks that were not prefetched: skip them, or fetch them synchronously")
+    o.add_argument("--speculative-config", default=None,
+                   help='vLLM-style alias: \'{"method": "eagle3", "model": DIR}\' = --draft eagle3 --draft-model DIR')
+
+
+def draft_args(args: argparse.Namespace) -> tuple[str, str | None]:
+    """(--draft, --draft-model), with a vLLM --speculative-config taking their place when given."""
+    if not args.speculative_config:
+        return args.draft, args.draft_model
+    try:
+        spec = json.loads(args.speculative_config)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"error: --speculative-config is not valid JSON: {e}")
+    if not isinstance(spec, dict) or spec.get("method") not in ("eagle3", "ngram") or \
+            (spec["method"] == "eagle3" and not spec.get("model")):
+        raise SystemExit('error: --speculative-config must look like {"method": "eagle3", "model": "DIR"} '
+                         'or {"method": "ngram"}')
+    return spec["method"], spec.get("model")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -46,8 +71,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         num_kv_blocks=args.num_kv_blocks)
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                             max_model_len=args.max_model_len)
+    draft, draft_model = draft_args(args)
     kv = KVConfig(mode=args.kv_mode, budget=args.kv_budget, sink_blocks=args.sink_blocks,
-                  local_blocks=args.local_blocks, dense_layers=args.dense_layers, host_kv_gb=args.host_kv_gb)
+                  local_blocks=args.local_blocks, dense_layers=args.dense_layers, host_kv_gb=args.host_kv_gb,
+                  fetch_cap=args.fetch_cap, draft=draft, draft_model=draft_model, miss_policy=args.miss_policy)
     return EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
                         seed=args.seed, cache=cache, kv=kv, scheduler=sched, show_progress=True)
 
@@ -120,16 +147,16 @@ def cmd_chat(args) -> None:
         print(f"model> {reply}")
 
 
-def cmd_eval(args) -> None:
-    from oasiskv.evals.cli import main as eval_main
-
-    eval_main(args)
-
-
-def cmd_bench(args) -> None:
+def cmd_bench_throughput(args) -> None:
     from oasiskv.bench.throughput import run_from_args
 
     run_from_args(args, engine_config(args))
+
+
+def cmd_bench_serve(args) -> None:
+    from oasiskv.bench.serve import main as bench_serve_main
+
+    bench_serve_main(args)
 
 
 def cmd_train_draft(args) -> None:
@@ -160,6 +187,21 @@ def add_serve_parser(sub) -> None:
     serve.set_defaults(func=cmd_serve)
 
 
+def add_bench_parser(sub) -> None:
+    from oasiskv.bench.serve import add_args as add_bench_serve_args
+    from oasiskv.bench.throughput import add_bench_args
+
+    bench = sub.add_parser("bench", help="benchmarks: throughput (engine, offline) | serve (a running server)")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    throughput = kinds.add_parser("throughput", help="decode throughput at a given context length")
+    add_bench_args(throughput)
+    add_engine_args(throughput)
+    throughput.set_defaults(func=cmd_bench_throughput)
+    serve = kinds.add_parser("serve", help="latency and throughput of an OpenAI-compatible server, like vllm bench serve")
+    add_bench_serve_args(serve)
+    serve.set_defaults(func=cmd_bench_serve)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="oasiskv", description="OasisKV inference engine")
     sub = p.add_subparsers(dest="command", required=True)
@@ -175,17 +217,7 @@ def parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat, max_tokens=256)
-    bench = sub.add_parser("bench", help="decode throughput at a given context length")
-    from oasiskv.bench.throughput import add_bench_args
-
-    add_bench_args(bench)
-    add_engine_args(bench)
-    bench.set_defaults(func=cmd_bench)
-    evaluate = sub.add_parser("eval", help="accuracy of every KV mode against dense on long texts")
-    from oasiskv.evals.cli import add_args as add_eval_args
-
-    add_eval_args(evaluate)
-    evaluate.set_defaults(func=cmd_eval)
+    add_bench_parser(sub)
     add_serve_parser(sub)
     train_draft = sub.add_parser("train-draft", help="train an EAGLE-3 draft head for the target model")
     from oasiskv.lookahead.train_draft import add_args as add_train_draft_args

@@ -86,7 +86,9 @@ class CacheConfig:
     cpu_kv_cache_gb: float = 2.0  # default pool cap on machines without a GPU
 
 
-KV_MODES = ("dense", "quest", "retrieval")
+KV_MODES = ("dense", "quest", "retrieval", "oasis")
+DRAFTS = ("ngram", "repeat", "eagle3")
+MISS_POLICIES = ("skip", "fetch")
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,11 @@ class KVConfig:
     local_blocks: int = 4
     dense_layers: int = 0  # the first N layers attend densely (quest mode)
     host_kv_gb: float | None = None  # host store size; default: what the machine can spare
+    # oasis mode: a draft token runs beside each decode token; its selection is prefetched for the next step
+    fetch_cap: float = 0.05  # at most fetch_cap x budget tokens prefetched per request per layer per step
+    draft: str = "ngram"  # ngram | repeat | eagle3 (needs draft_model)
+    draft_model: str | None = None  # EAGLE-3 head directory
+    miss_policy: str = "skip"  # a selected block not resident: skip it, or fetch it synchronously
 
     def validate(self, block_size: int, num_layers: int) -> None:
         if self.mode not in KV_MODES:
@@ -113,12 +120,33 @@ class KVConfig:
                              f"of {self.budget // block_size} blocks")
         if not 0 <= self.dense_layers <= num_layers:
             raise ValueError(f"--dense-layers must be in [0, {num_layers}], got {self.dense_layers}")
-        if self.dense_layers and self.mode == "retrieval":
-            raise ValueError("--dense-layers is supported in quest mode only (retrieval keeps no full KV on the GPU)")
+        if self.dense_layers and self.offloaded:
+            raise ValueError(f"--dense-layers is supported in quest mode only ({self.mode} keeps no full KV on the GPU)")
+        if self.mode == "oasis":
+            self.validate_lookahead(block_size)
+
+    def validate_lookahead(self, block_size: int) -> None:
+        if not 0 < self.fetch_cap <= 1:
+            raise ValueError(f"--fetch-cap must be in (0, 1], got {self.fetch_cap}")
+        if self.fetch_blocks(block_size) < 1:
+            raise ValueError(f"--fetch-cap {self.fetch_cap} x --kv-budget {self.budget} is "
+                             f"{self.fetch_cap * self.budget:g} tokens, less than one block of {block_size}: "
+                             "raise the cap or the budget")
+        if self.draft not in DRAFTS:
+            raise ValueError(f"--draft must be one of {', '.join(DRAFTS)}, got {self.draft!r}")
+        if (self.draft == "eagle3") != (self.draft_model is not None):
+            raise ValueError("--draft eagle3 needs --draft-model DIR (an EAGLE-3 head), and --draft-model needs "
+                             "--draft eagle3")
+        if self.miss_policy not in MISS_POLICIES:
+            raise ValueError(f"--miss-policy must be one of {', '.join(MISS_POLICIES)}, got {self.miss_policy!r}")
+
+    def fetch_blocks(self, block_size: int) -> int:
+        """Blocks a request may prefetch per layer per step (the fetch cap in blocks, rounded down)."""
+        return int(self.fetch_cap * self.budget + 1e-9) // block_size
 
     @property
     def offloaded(self) -> bool:
-        return self.mode == "retrieval"
+        return self.mode in ("retrieval", "oasis")
 
 
 @dataclass(frozen=True)

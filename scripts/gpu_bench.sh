@@ -6,7 +6,7 @@ export PYTHONUNBUFFERED=1
 MODEL=${MODEL:-qwen3-8b}; CTX=${CTX:-16384}; OUTLEN=${OUTLEN:-16}; OUT=${OUT:-results}
 CARD_GB=${CARD_GB:-72}; HOST_GB=${HOST_GB:-64}; EXTRA=${EXTRA:-}
 mkdir -p "$OUT"
-bench() { ${PY:-python3} -m oasiskv.cli bench --model "$MODEL" --load-format dummy --input-len "$CTX" --output-len "$OUTLEN" \
+bench() { ${PY:-python3} -m oasiskv.cli bench throughput --model "$MODEL" --load-format dummy --input-len "$CTX" --output-len "$OUTLEN" \
   --max-num-batched-tokens "$CTX" $EXTRA "$@" 2>&1 | grep -v "it/s\]" ; }
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>/dev/null
 bench --kv-mode dense --batch-sizes 1,8,32 --out "$OUT/dense_full_card.json"

@@ -132,6 +132,21 @@ def test_reference_without_interpreter(monkeypatch):
         assert torch.equal(gpu[layer_ids[i], dst[i]], host[layer_ids[i], src[i]])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_entries_marked_minus_one_are_skipped(dtype):
+    gen = torch.Generator().manual_seed(5)
+    host = _host((2, 6, 2, 16, 2, 8), dtype, gen)
+    layer_ids = torch.tensor([0, 1, 1, 0], dtype=torch.int32)
+    src = torch.tensor([3, -1, 5, 2], dtype=torch.int32)
+    dst = torch.tensor([1, 0, -1, 2], dtype=torch.int32)
+    poison = torch.full((2, 4, 2, 16, 2, 8), -7.0, dtype=dtype)
+    got = gather_host_blocks(host, poison.clone().to(DEV), layer_ids.to(DEV), src.to(DEV), dst.to(DEV)).cpu()
+    want = poison.clone()  # brute force: only entries 0 and 3 copy
+    want[0, 1], want[0, 2] = host.cpu()[0, 3], host.cpu()[0, 2]
+    assert torch.equal(got, want)
+    assert torch.equal(gather_host_blocks_reference(host.cpu(), poison.clone(), layer_ids, src, dst), want)
+
+
 def test_mismatches_raise():
     host = torch.zeros(2, 4, 2, 16, 2, 8)
     gpu = torch.zeros(2, 3, 2, 16, 2, 8)

@@ -72,7 +72,7 @@ def bench_one(engine, batch: int, input_len: int, output_len: int, hbm_gbps: flo
         engine.step()
     weights = engine.weights_bytes()
     bytes_read, decode_s = 0, 0.0
-    pcie_before = engine.policy.stats().get("kv_bytes_gathered", 0)
+    before = engine.policy.stats()
     for _ in range(output_len):
         kv_bytes = sum(kv_bytes_read(engine, r.num_tokens) for r in reqs)
         t = time.perf_counter()
@@ -82,7 +82,8 @@ def bench_one(engine, batch: int, input_len: int, output_len: int, hbm_gbps: flo
     steps = output_len
     if any(r.finished for r in reqs):
         raise RuntimeError("a request finished inside the timed window")
-    pcie = engine.policy.stats().get("kv_bytes_gathered", 0) - pcie_before
+    kv = kv_deltas(before, engine.policy.stats())
+    pcie = kv.get("kv_bytes_gathered", 0)
     for i in ids:
         engine.abort(i)
         engine.pop_finished(i)
@@ -94,6 +95,31 @@ def bench_one(engine, batch: int, input_len: int, output_len: int, hbm_gbps: flo
         "achieved_gbps": round(bytes_read / decode_s / 1e9, 1),
         "pcie_gb_per_step": round(pcie / steps / 1e9, 4), "pcie_gbps": round(pcie / decode_s / 1e9, 2),
         "roofline_pct": round(100 * bytes_read / decode_s / 1e9 / hbm_gbps, 1),
+        **lookahead_columns(kv, steps, decode_s),
+    }
+
+
+COUNTERS = ("kv_bytes_gathered", "kv_prefetch_bytes", "kv_agree_hits", "kv_agree_total", "kv_hits",
+            "kv_selected_blocks", "kv_misses", "kv_time_prefetch_s", "kv_time_prefetch_exposed_s")
+
+
+def kv_deltas(before: dict, after: dict) -> dict:
+    return {k: after[k] - before.get(k, 0) for k in COUNTERS if k in after}
+
+
+def lookahead_columns(kv: dict, steps: int, decode_s: float) -> dict:
+    """Oasis: what the timed window prefetched, how well the prediction agreed, what stayed exposed."""
+    if "kv_prefetch_bytes" not in kv:
+        return {}
+    ratio = lambda a, b: round(a / b, 4) if b else None  # noqa: E731
+    return {
+        "prefetch_gb_per_step": round(kv["kv_prefetch_bytes"] / steps / 1e9, 4),
+        "prefetch_gbps": round(kv["kv_prefetch_bytes"] / decode_s / 1e9, 2),
+        "agreement": ratio(kv["kv_agree_hits"], kv["kv_agree_total"]),
+        "hit_rate": ratio(kv["kv_hits"], kv["kv_selected_blocks"]),
+        "misses_per_step": round(kv["kv_misses"] / steps, 1),
+        "prefetch_ms_per_step": round(1000 * kv.get("kv_time_prefetch_s", 0) / steps, 3),
+        "prefetch_exposed_ms_per_step": round(1000 * kv.get("kv_time_prefetch_exposed_s", 0) / steps, 3),
     }
 
 
@@ -123,6 +149,9 @@ def print_table(rows: list[dict], engine) -> None:
           f"KV pool {engine.pool.num_blocks} blocks ({engine.pool.nbytes / 2**30:.1f} GiB)")
     cols = ["mode", "batch", "context", "decode_steps", "prefill_s", "step_ms", "decode_tok_s", "bytes_per_step_gb",
             "achieved_gbps", "roofline_pct", "pcie_gb_per_step"]
+    extra = [c for c in ("prefetch_gb_per_step", "agreement", "hit_rate", "prefetch_exposed_ms_per_step")
+             if any(c in r for r in rows)]
+    cols += extra
     print(" ".join(f"{c:>16}" for c in cols))
     for r in rows:
-        print(" ".join(f"{r[c]:>16}" for c in cols))
+        print(" ".join(f"{r.get(c, ''):>16}" for c in cols))

@@ -14,6 +14,8 @@ from oasiskv.engine.runner import ModelRunner
 from oasiskv.engine.sampler import Sampler
 from oasiskv.engine.scheduler import Scheduler
 from oasiskv.kv.gpu_pool import bytes_per_block, plan_num_blocks
+from oasiskv.lookahead.base import DraftChunk
+from oasiskv.lookahead.factory import build_draft_source
 from oasiskv.policies.factory import build_kv
 from oasiskv.models.loader import load_model
 from oasiskv.policies.dense import causal_attention
@@ -73,6 +75,10 @@ class LLMEngine:
         sched_cfg = dataclasses.replace(config.scheduler, max_num_seqs=kv.max_running)
         self.scheduler = Scheduler(sched_cfg, self.allocator, self.block_size, self.max_model_len)
         self.runner = ModelRunner(self.model, self.policy, self.block_size, self.device)
+        self.drafter = None  # oasis mode: guesses each request's next token for the lookahead
+        if self.policy.wants_drafts:
+            self.drafter = build_draft_source(config.kv, self.model, self.device, self.dtype)
+            self.runner.capture_layers = self.drafter.capture_layers
         self.sampler = Sampler(self.device, config.seed)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
@@ -135,6 +141,8 @@ class LLMEngine:
         if req is not None and not req.finished:
             self.scheduler.finish(req, "abort")
             self.policy.release(request_id)
+            self.release_draft(request_id)
+            self.sampler.forget(request_id)
             req.kv_stats = self.policy.request_stats(request_id)
 
     def has_unfinished(self) -> bool:
@@ -147,6 +155,7 @@ class LLMEngine:
         self.stats.preemptions += len(plan.preempted)
         for rid in plan.preempted:
             self.policy.release(rid)
+            self.release_draft(rid)
         if not plan.chunks:
             return []
         t0 = time.perf_counter()
@@ -167,7 +176,29 @@ class LLMEngine:
             req = self.requests[rid]
             if self.append_token(req, tok):
                 finished.append(req)
+        if self.drafter is not None:
+            self.propose_drafts(result)
         return finished
+
+    def propose_drafts(self, result) -> None:
+        """The draft source sees what the step computed and guesses the token after each new one."""
+        chunks, row = [], 0
+        for c in result.chunks:
+            req, n = self.requests[c.request_id], len(c.token_ids)
+            if not req.finished:
+                context = req.prompt_token_ids + req.output_token_ids if c.sample else []
+                chunks.append(DraftChunk(c.request_id, c.start, c.token_ids,
+                                         req.token_slice(c.start + 1, c.start + n + 1), row, c.sample, context))
+            row += n
+        for rid, token in self.drafter.propose(chunks, result.captured).items():
+            self.requests[rid].draft_token_id = token
+
+    def release_draft(self, request_id: str) -> None:
+        if self.drafter is not None:
+            self.drafter.release(request_id)
+        req = self.requests.get(request_id)
+        if req is not None:
+            req.draft_token_id = None
 
     def append_token(self, req: Request, token: int) -> bool:
         """Adds a sampled token and applies the stop rules. Returns True if the request finished."""
@@ -179,6 +210,7 @@ class LLMEngine:
             return False
         self.scheduler.finish(req, reason)
         self.policy.release(req.request_id)
+        self.release_draft(req.request_id)
         req.kv_stats = self.policy.request_stats(req.request_id)
         self.sampler.forget(req.request_id)
         req.finish_time = now

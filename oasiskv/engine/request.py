@@ -31,6 +31,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     kv_stats: dict = field(default_factory=dict)  # the KV policy's counters for this request
+    draft_token_id: int | None = None  # oasis mode: the draft source's guess of the token after the last one
 
     @property
     def num_tokens(self) -> int:

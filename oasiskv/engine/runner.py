@@ -14,7 +14,8 @@ from oasiskv.policies.base import AttentionMetadata, KVPolicy, PrefillSpan
 class StepResult:
     request_ids: list[str]  # the requests that sample this step, in logits row order
     logits: torch.Tensor  # [len(request_ids), vocab] fp32
-    captured: list[torch.Tensor]  # hidden states of the capture layers, [T, H] each
+    captured: list[torch.Tensor]  # hidden states of the capture layers, [T, H] each (real tokens only)
+    chunks: list[ScheduledChunk]  # the step's chunks in flat-batch order (decodes first)
 
 
 class ModelRunner:
@@ -28,6 +29,8 @@ class ModelRunner:
         ids, positions, meta = self.prepare(chunks)
         self.policy.begin_step(meta)
         hidden, captured = self.model(ids, positions, self.policy, self.capture_layers)
+        real = len(ids) - meta.num_draft
+        captured = [c[:real] for c in captured]
         ends, sampling = [], []
         offset = 0
         for c in chunks:
@@ -37,7 +40,7 @@ class ModelRunner:
                 sampling.append(c.request_id)
         rows = torch.tensor(ends, device=self.device, dtype=torch.long)
         logits = self.model.logits(hidden[rows]) if ends else hidden.new_zeros(0, 0, dtype=torch.float32)
-        return StepResult(sampling, logits, captured)
+        return StepResult(sampling, logits, captured, chunks)
 
     def prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
@@ -49,17 +52,23 @@ class ModelRunner:
             slot_blocks += [c.block_ids[p // bs] for p in pos]
         num_decode = sum(1 for c in chunks if len(c.token_ids) == 1)
         decodes, prefills = chunks[:num_decode], chunks[num_decode:]
+        num_draft = num_decode if self.policy.wants_drafts else 0
+        if num_draft:  # a chunk without a guess (a one-token prompt) repeats its own token
+            ids += [c.token_ids[0] if c.draft_token_id is None else c.draft_token_id for c in decodes]
+            positions += [c.start + 1 for c in decodes]
         dev = self.device
         pos_t = torch.tensor(positions, dtype=torch.long)
         meta = AttentionMetadata(
             slot_blocks=torch.tensor(slot_blocks, dtype=torch.long).to(dev, non_blocking=True),
-            slot_offsets=(pos_t % bs).to(dev, non_blocking=True),
+            slot_offsets=(pos_t[:len(slot_blocks)] % bs).to(dev, non_blocking=True),
             num_decode=num_decode,
             decode_block_tables=block_table_tensor([c.block_ids for c in decodes]).to(dev, non_blocking=True),
             decode_seq_lens=torch.tensor([c.start + 1 for c in decodes], dtype=torch.int32).to(dev, non_blocking=True),
             decode_max_seq_len=max((c.start + 1 for c in decodes), default=0),
+            decode_seq_lens_host=[c.start + 1 for c in decodes],
             prefills=self.prefill_spans(prefills, num_decode),
             decode_request_ids=[c.request_id for c in decodes],
+            num_draft=num_draft,
         )
         return (torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True), pos_t.to(dev, non_blocking=True),
                 meta)

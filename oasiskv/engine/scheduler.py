@@ -22,6 +22,7 @@ class ScheduledChunk:
     start: int  # position of token_ids[0] in the request
     block_ids: list[int]  # the request's block table, covering start + len(token_ids) tokens
     sample: bool  # the chunk ends at the last known token: sample the next one
+    draft_token_id: int | None = None  # a guess of the token after this chunk (oasis lookahead); never emitted
 
 
 @dataclass
@@ -115,7 +116,7 @@ class Scheduler:
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         start = req.num_computed_tokens
         return ScheduledChunk(req.request_id, req.token_slice(start, start + n), start, list(req.block_ids),
-                              sample=start + n == req.num_tokens)
+                              sample=start + n == req.num_tokens, draft_token_id=req.draft_token_id)
 
     def preempt(self, req: Request) -> None:
         """Recompute-style preemption: drop the KV, keep the tokens, go back to the head of the queue."""
@@ -123,6 +124,7 @@ class Scheduler:
         self.allocator.free(req.block_ids)
         req.block_ids = []
         req.num_computed_tokens = 0
+        req.draft_token_id = None
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1

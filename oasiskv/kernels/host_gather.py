@@ -29,7 +29,8 @@ fresh views of them. Both functions launch on the current CUDA stream, or on `st
 stream); they never synchronise. The caller keeps index tensors alive until the stream has passed
 the copy (record_stream or hold a reference) and orders readers with an event. Indices are not
 range-checked on the GPU (that would need a sync); they are checked when given on the CPU.
-Destination (layer, slot) pairs must be distinct within one call.
+Destination (layer, slot) pairs must be distinct within one call. An entry whose source or
+destination index is -1 is skipped, so callers can pass fixed-size lists built on the device.
 
 Without CUDA: under TRITON_INTERPRET=1 the same kernel runs on CPU tensors (tests); otherwise the
 torch reference (`gather_host_blocks_reference`, `store_blocks_to_host_reference`) does the work.
@@ -68,6 +69,11 @@ def _copy_chunks_kernel(
     layer = tl.load(layer_ptr + i).to(tl.int64)
     s = tl.load(src_idx_ptr + i).to(tl.int64)
     d = tl.load(dst_idx_ptr + i).to(tl.int64)
+    ok = (s >= 0) & (d >= 0)  # -1 marks an entry to skip (fixed-size lists built without a host sync)
+    tile_limit = tl.where(ok, TILE, 0)  # masks as limits: uniform over a tile, so accesses stay vectorised
+    chunk_limit = tl.where(ok, CHUNK, 0)
+    s = tl.maximum(s, 0)
+    d = tl.maximum(d, 0)
     src = src_ptr + layer * src_layer_stride + s * CHUNK
     dst = dst_ptr + layer * dst_layer_stride + d * CHUNK
     offs = tl.arange(0, TILE)
@@ -75,9 +81,10 @@ def _copy_chunks_kernel(
     for t in range(part, NUM_TILES, SPLITS):
         o = t * TILE + offs
         if EVEN:
-            tl.store(dst + o, tl.load(src + o))
+            m = offs < tile_limit
+            tl.store(dst + o, tl.load(src + o, mask=m), mask=m)
         else:
-            m = o < CHUNK
+            m = o < chunk_limit
             tl.store(dst + o, tl.load(src + o, mask=m), mask=m)
 
 
@@ -116,10 +123,10 @@ def _check(name_src, src, name_dst, dst, layer_ids, src_idx, dst_idx, idx_names)
             raise ValueError(f"index lists differ in length: {idx_names} -> "
                              f"{layer_ids.numel()}, {src_idx.numel()}, {dst_idx.numel()}")
     # range checks only where they cost no device sync
-    for name, t, hi in zip(idx_names, (layer_ids, src_idx, dst_idx),
-                           (src.shape[0], src.shape[1], dst.shape[1])):
-        if t.device.type == "cpu" and t.numel() and (int(t.min()) < 0 or int(t.max()) >= hi):
-            raise ValueError(f"{name} out of range [0, {hi})")
+    for name, t, lo, hi in zip(idx_names, (layer_ids, src_idx, dst_idx), (0, -1, -1),
+                               (src.shape[0], src.shape[1], dst.shape[1])):
+        if t.device.type == "cpu" and t.numel() and (int(t.min()) < lo or int(t.max()) >= hi):
+            raise ValueError(f"{name} out of range [{lo}, {hi})")
     return n
 
 
@@ -295,6 +302,8 @@ def store_blocks_to_host(
 
 
 def _indexed_copy(src, dst, layer_ids, src_idx, dst_idx):
+    keep = (src_idx >= 0) & (dst_idx >= 0)
+    layer_ids, src_idx, dst_idx = layer_ids[keep], src_idx[keep], dst_idx[keep]
     chunks = src[layer_ids.to(src.device).long(), src_idx.to(src.device).long()]
     dst[layer_ids.to(dst.device).long(), dst_idx.to(dst.device).long()] = chunks.to(dst.device)
 

@@ -3,6 +3,7 @@ out [layers, blocks, 2, block_size, kv_heads, head_dim] so one (layer, block) is
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
@@ -30,6 +31,8 @@ def register_pinned(t: torch.Tensor) -> None:
     if int(err) != 0:
         raise MemoryError(f"could not pin {t.numel() * t.element_size() / GiB:.1f} GiB of host memory for the "
                           f"KV store (CUDA error {int(err)}); lower --host-kv-gb")
+    # unpin before the memory goes back to the allocator: a later store may reuse the same addresses
+    weakref.finalize(t, torch.cuda.cudart().cudaHostUnregister, t.data_ptr())
 
 
 class HostStore:

@@ -6,6 +6,9 @@ whole decode batch is handled with a few vectorised ops per layer:
   slot_of[layer, row, logical block] -> global slot id or -1
   block_of[layer, row, i]             -> logical block in the row's i-th slot or -1
   last_used[layer, row, i]            -> step at which that slot was last selected (LRU eviction)
+Nothing here waits on the device: updates that apply to only some entries of a [B, K] request send
+the others to one spare column at the end of each table (never read), instead of filtering them
+with a host-synchronising nonzero().
 """
 from __future__ import annotations
 
@@ -15,9 +18,12 @@ import torch
 class WorkingSet:
     def __init__(self, num_layers: int, rows: int, slots_per_row: int, max_blocks: int, device: torch.device):
         self.rows, self.width, self.max_blocks = rows, slots_per_row, max_blocks
-        self.slot_of = torch.full((num_layers, rows, max_blocks), -1, dtype=torch.int32, device=device)
-        self.block_of = torch.full((num_layers, rows, slots_per_row), -1, dtype=torch.int32, device=device)
-        self.last_used = torch.zeros((num_layers, rows, slots_per_row), dtype=torch.int64, device=device)
+        self._slot_of = torch.full((num_layers, rows, max_blocks + 1), -1, dtype=torch.int32, device=device)
+        self._block_of = torch.full((num_layers, rows, slots_per_row + 1), -1, dtype=torch.int32, device=device)
+        self._last_used = torch.zeros((num_layers, rows, slots_per_row + 1), dtype=torch.int64, device=device)
+        self.slot_of = self._slot_of[..., :max_blocks]  # views without the spare column
+        self.block_of = self._block_of[..., :slots_per_row]
+        self.last_used = self._last_used[..., :slots_per_row]
         self._free_rows = list(range(rows))
         self._row_of: dict[str, int] = {}
         self.base = torch.arange(rows, device=device, dtype=torch.int64)[:, None] * slots_per_row
@@ -45,46 +51,42 @@ class WorkingSet:
 
     # -- residency (tensors) --------------------------------------------------------------------
     def table(self, layer: int, rows: torch.Tensor, num_blocks: int) -> torch.Tensor:
-        """int32 [B, num_blocks]: slot of each logical block, -1 if not resident."""
+        """int32 [B, num_blocks]: slot of each logical block, -1 if not resident (a copy, not a view)."""
         return self.slot_of[layer, rows, :num_blocks]
 
     def place(self, layer: int, rows: torch.Tensor, wanted: torch.Tensor, protect: torch.Tensor, step: int
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Makes the logical blocks `wanted` (int32 [B, K], -1 = none) resident in each row's slots.
-        Blocks in `protect` (bool [B, num_blocks]: the blocks that must stay, which include wanted)
-        are never evicted; among the others, empty slots go first, then the least recently used.
-        Returns (miss mask [B, K], global slot [B, K]) for the blocks that were not resident: the
-        caller fills those slots. Needs at most `width` protected blocks per row."""
+        """Makes the logical blocks `wanted` (int32 [B, K], -1 = none, distinct within a row) resident
+        in each row's slots. Blocks in `protect` (bool [B, num_blocks]: the blocks that must stay, which
+        include wanted) are never evicted; among the others, empty slots go first, then the least
+        recently used. Returns (miss mask [B, K], global slot [B, K], -1 where nothing is wanted) for
+        the blocks that were not resident: the caller fills those slots. Needs at most `width`
+        protected blocks per row."""
         valid = wanted >= 0
-        w = wanted.clamp(min=0).long()
-        slots = self.slot_of[layer, rows].gather(1, w)
+        w = torch.where(valid, wanted.long(), self.max_blocks)  # none -> the spare column (holds -1)
+        slots = self._slot_of[layer, rows].gather(1, w)
         miss = valid & (slots < 0)
         held = self.block_of[layer, rows].long()  # [B, W]
-        keep = (held >= 0) & protect.gather(1, held.clamp(min=0).clamp(max=protect.shape[1] - 1)) \
-            & (held < protect.shape[1])
+        keep = (held >= 0) & (held < protect.shape[1]) & protect.gather(1, held.clamp(0, protect.shape[1] - 1))
         age = torch.where(held < 0, torch.full_like(held, -1), self.last_used[layer, rows])
         age = age.masked_fill(keep, torch.iinfo(torch.int64).max)
         victims = torch.argsort(age, dim=1, stable=True)  # [B, W]: best victim first
         rank = (torch.cumsum(miss.long(), dim=1) - 1).clamp(min=0)  # k-th miss of its row -> k-th victim
-        victim = victims.gather(1, rank)  # [B, K] slot index within the row
+        victim = torch.where(miss, victims.gather(1, rank), self.width)  # slot index in the row; spare if no miss
         self._evict_and_assign(layer, rows, w, miss, victim)
-        new_slots = self.base[rows] + victim
-        slots = torch.where(miss, new_slots.to(slots.dtype), slots)
+        slots = torch.where(miss, (self.base[rows] + victim).to(slots.dtype), slots)
         self._touch(layer, rows, slots, valid, step)
         return miss, slots
 
     def _evict_and_assign(self, layer, rows, w, miss, victim) -> None:
-        b, k = torch.nonzero(miss, as_tuple=True)
-        if b.numel() == 0:
-            return
-        r, i, blk = rows[b], victim[b, k], w[b, k]
-        old = self.block_of[layer, r, i].long()
-        had = old >= 0
-        self.slot_of[layer, r[had], old[had]] = -1
-        self.block_of[layer, r, i] = blk.to(torch.int32)
-        self.slot_of[layer, r, blk] = (self.base[r, 0] + i).to(torch.int32)
+        base, rows = self.base[rows], rows[:, None]
+        old = self._block_of[layer, rows, victim].long()
+        old = torch.where(miss & (old >= 0), old, self.max_blocks)
+        self._slot_of[layer, rows, old] = -1
+        self._block_of[layer, rows, victim] = torch.where(miss, w, -1).to(torch.int32)
+        new_slot = torch.where(miss, base + victim, -1).to(torch.int32)
+        self._slot_of[layer, rows, torch.where(miss, w, self.max_blocks)] = new_slot
 
     def _touch(self, layer, rows, slots, valid, step) -> None:
-        b, k = torch.nonzero(valid, as_tuple=True)
-        idx = slots[b, k].long() - self.base[rows[b], 0]
-        self.last_used[layer, rows[b], idx] = step
+        idx = torch.where(valid, slots.long() - self.base[rows], self.width)
+        self._last_used[layer, rows[:, None], idx] = step

@@ -20,7 +20,7 @@ class DraftChunk:
     next_token_ids: list[int]  # token at position p + 1 for each chunk position p (last: the sampled one if sampled)
     row_start: int  # the chunk's rows in the captured hidden states: [row_start, row_start + len(token_ids))
     sampled: bool  # the chunk sampled a token: propose a draft for the next step
-    context: list[int]  # every token of the request so far, the newly sampled one included
+    context: list[int]  # sampled chunks: every token of the request so far, the new one included; else []
 
 
 class DraftSource:

@@ -20,7 +20,9 @@ class PrefillSpan:
 @dataclass
 class AttentionMetadata:
     """Tensors for one step, built by the runner. The first num_decode tokens of the flat batch
-    are single-token chunks (decodes), the rest are prefill spans."""
+    are single-token chunks (decodes), then come the prefill spans, then (oasis mode) one draft
+    token per decode, in decode order, at the position after its decode token. Draft tokens have
+    no slot: their K/V is never kept."""
 
     slot_blocks: torch.Tensor  # long [T]: block receiving each token's K/V
     slot_offsets: torch.Tensor  # long [T]: position inside that block
@@ -30,12 +32,15 @@ class AttentionMetadata:
     decode_max_seq_len: int  # host copy of decode_seq_lens.max(): kernels size their grid without a sync
     prefills: list[PrefillSpan]
     decode_request_ids: list[str]
+    num_draft: int = 0  # draft tokens at the end of the flat batch (num_decode of them, or none)
+    decode_seq_lens_host: list[int] | None = None  # decode_seq_lens on the host, for decisions without a sync
 
 
 class KVPolicy:
     """One engine, several policies: each decides where K/V lives and what a query attends to."""
 
     name = "base"
+    wants_drafts = False  # True: the runner adds a draft token beside each decode token
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         self.meta = meta

@@ -13,7 +13,9 @@ from oasiskv.kv.summaries import BlockSummaries
 from oasiskv.kv.working_set import WorkingSet
 from oasiskv.policies.base import KVPolicy
 from oasiskv.policies.dense import DensePolicy
-from oasiskv.policies.sparse import QuestPolicy, RetrievalPolicy
+from oasiskv.policies.oasis import OasisPolicy
+from oasiskv.policies.sparse import QuestPolicy
+from oasiskv.policies.tiered import RetrievalPolicy
 
 
 @dataclass
@@ -47,7 +49,7 @@ def build_kv(model_cfg: ModelConfig, cache: CacheConfig, kv: KVConfig, gpu_kv_bl
 def build_retrieval(model_cfg, cache, kv, gpu_kv_blocks, max_model_len, max_num_seqs, dtype, device) -> KVSetup:
     bs, per_block = cache.block_size, bytes_per_block(model_cfg, cache.block_size, dtype)
     host_blocks = host_block_count(cache, kv, per_block, device)
-    width = kv.budget // bs
+    width = kv.budget // bs + (kv.mode == "oasis")  # oasis: room for the block a draft token opens
     summary_blocks = -(-host_blocks // bs)  # summaries cost 1/block_size of the KV they describe
     rows = min(max_num_seqs, (gpu_kv_blocks - summary_blocks) // width)
     if rows < 1:
@@ -55,11 +57,12 @@ def build_retrieval(model_cfg, cache, kv, gpu_kv_blocks, max_model_len, max_num_
                          f"{host_blocks} host blocks plus one working set of {width} blocks")
     pool = KVPool(model_cfg, rows * width, bs, dtype, device)
     host = HostStore(model_cfg, host_blocks, bs, dtype, pin=device.type == "cuda")
-    ws = WorkingSet(model_cfg.num_layers, rows, width, -(-max_model_len // bs), device)
+    ws = WorkingSet(model_cfg.num_layers, rows, width, -(-max_model_len // bs) + 1, device)
     summaries = BlockSummaries(model_cfg, host_blocks, dtype, device)
-    policy = RetrievalPolicy(pool, host, ws, kv, summaries, bs, model_cfg.head_dim ** -0.5, device)
+    policy_class = OasisPolicy if kv.mode == "oasis" else RetrievalPolicy
+    policy = policy_class(pool, host, ws, kv, summaries, bs, model_cfg.head_dim ** -0.5, device)
     return KVSetup(policy, BlockAllocator(host_blocks), rows, pool, host,
-                   f"retrieval: {host_blocks} host blocks ({host.kv.numel() * host.kv.element_size() / GiB:.1f} GiB), "
+                   f"{kv.mode}: {host_blocks} host blocks ({host.kv.numel() * host.kv.element_size() / GiB:.1f} GiB), "
                    f"{rows} working sets of {width} blocks on the GPU")
 
 

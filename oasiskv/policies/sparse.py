@@ -1,10 +1,10 @@
-"""Sparse decode policies. Both score block summaries with the decode query and attend to a selection
+"""Sparse decode policies. All score block summaries with the decode query and attend to a selection
 (sink + local window with the tail + top-scored blocks, `budget` tokens in all); they differ in
 where the full KV lives:
   quest      the full KV in the GPU pool; nothing moves.
-  retrieval  the full KV in the host store; per layer the selection's missing blocks are gathered
-             into the request's GPU working set before attention (on the critical path).
-Prefill is dense in both (and writes the summaries)."""
+  retrieval, oasis  the full KV in the host store, a working set on the GPU (policies/tiered.py,
+             policies/oasis.py).
+Prefill is dense (and writes the summaries)."""
 from __future__ import annotations
 
 import time
@@ -14,16 +14,12 @@ import torch
 
 from oasiskv.config import KVConfig
 from oasiskv.kernels.block_select import block_scores, block_scores_reference, select_blocks_padded
-from oasiskv.kernels.host_gather import (gather_host_blocks, gather_host_blocks_reference, store_blocks_to_host,
-                                         store_blocks_to_host_reference)
 from oasiskv.kernels.paged_decode import paged_decode_attention, paged_decode_reference
 from oasiskv.kernels.sparse_decode import sparse_decode_attention, sparse_decode_reference
 from oasiskv.kv.gpu_pool import KVPool
-from oasiskv.kv.host_store import HostStore
 from oasiskv.kv.summaries import BlockSummaries
-from oasiskv.kv.working_set import WorkingSet
 from oasiskv.policies.base import KVPolicy
-from oasiskv.policies.dense import prefill_attention, sdpa, write_kv
+from oasiskv.policies.dense import prefill_attention, write_kv
 
 
 class PhaseTimer:
@@ -160,125 +156,3 @@ class QuestPolicy(SparsePolicy):
             _, _, indptr, indices = self.select(layer, q, meta.decode_block_tables)
         with self.timer("attention"):
             return self.attention(q, kv_layer, meta.decode_block_tables, indptr, indices)
-
-
-class RetrievalPolicy(SparsePolicy):
-    name = "retrieval"
-
-    def __init__(self, pool: KVPool, host: HostStore, working_set: WorkingSet, kv_cfg: KVConfig,
-                 summaries: BlockSummaries, block_size: int, scale: float, device: torch.device,
-                 timing: bool = True):
-        super().__init__(kv_cfg, summaries, block_size, scale, device, timing)
-        self.pool, self.host, self.ws = pool, host, working_set
-
-    def release(self, request_id: str) -> None:
-        self.ws.release(request_id)
-
-    def begin_step(self, meta) -> None:
-        super().begin_step(meta)
-        ids = meta.decode_request_ids
-        self.rows = torch.tensor([self.ws.row(r) for r in ids], dtype=torch.long).to(self.pool.kv.device)
-
-    def attend(self, layer, q, k, v):
-        meta = self.meta
-        nd = meta.num_decode
-        out = torch.empty_like(q)
-        if len(q) > nd:
-            self.prefill(layer, q, k, v, out)
-        if nd:
-            out[:nd] = self.decode(layer, q[:nd], k[:nd], v[:nd])
-        return out
-
-    def prefill(self, layer, q, k, v, out) -> None:
-        """Prefill writes the host store (and summaries) and attends densely; nothing stays resident."""
-        meta, nd = self.meta, self.meta.num_decode
-        blocks, offsets = meta.slot_blocks[nd:], meta.slot_offsets[nd:]
-        self.host.write_tokens(layer, blocks, offsets, k[nd:], v[nd:])
-        self.summaries.merge_prefill(layer, blocks, offsets, k[nd:])
-        for span in meta.prefills:
-            s, e = span.token_start, span.token_end
-            if span.start_pos == 0:
-                out[s:e] = sdpa(q[s:e], k[s:e], v[s:e], self.scale, causal=True)
-                continue
-            ctx = span.start_pos + (e - s)
-            pk, pv = self.host.read_prefix(layer, span.block_ids, ctx, q.device)
-            mask = torch.arange(ctx, device=q.device)[None, :] <= (span.start_pos +
-                                                                  torch.arange(e - s, device=q.device))[:, None]
-            out[s:e] = sdpa(q[s:e], pk, pv, self.scale, mask=mask)
-
-    def decode(self, layer, q, k, v):
-        meta, bs = self.meta, self.block_size
-        gpu_kv = self.pool.layer(layer)
-        tail, fill = self.decode_tail()
-        host_tables = meta.decode_block_tables
-        tail_host = host_tables.gather(1, tail[:, None]).squeeze(1)
-        with self.timer("gather"):
-            tail_slots = self.make_resident(layer, tail[:, None].to(torch.int32), host_tables,
-                                            fetch=(fill > 1)[:, None]).squeeze(1).long()
-        gpu_kv[tail_slots, 0, fill - 1] = k
-        gpu_kv[tail_slots, 1, fill - 1] = v
-        self.summaries.update_from(layer, gpu_kv, tail_slots.to(torch.int32), fill.to(torch.int32),
-                                   tail_host.to(torch.int32))
-        if self.is_dense_layer(layer):
-            everything = torch.arange(self.num_decode_blocks, device=q.device, dtype=torch.int32)
-            nblocks = (meta.decode_seq_lens.long() + bs - 1) // bs
-            wanted = torch.where(everything[None, :] < nblocks[:, None], everything[None, :], -1)
-            with self.timer("gather"):
-                self.make_resident(layer, wanted, host_tables)
-            self.counts["selected_blocks"] += int((wanted >= 0).sum())
-            indptr = indices = None
-        else:
-            with self.timer("select"):
-                _, wanted, indptr, indices = self.select(layer, q, host_tables)
-            with self.timer("gather"):
-                self.make_resident(layer, wanted, host_tables)
-        tables = self.ws.table(layer, self.rows, host_tables.shape[1])
-        with self.timer("attention"):
-            out = self.attention(q, gpu_kv, tables, indptr, indices)
-        self.spill_full_tails(layer, fill, tail_slots, tail_host)
-        return out
-
-    def make_resident(self, layer, wanted, host_tables, fetch=None) -> torch.Tensor:
-        """Places `wanted` logical blocks (int32 [B, K], -1 = none) in the working set, gathering the
-        missing ones from the host store (synchronously: this is the retrieval baseline). Returns
-        their slots [B, K]."""
-        protect = torch.zeros(host_tables.shape, dtype=torch.bool, device=wanted.device)
-        protect.scatter_(1, wanted.clamp(min=0).long(), wanted >= 0)
-        miss, slots = self.ws.place(layer, self.rows, wanted, protect, self.step_index)
-        need = miss if fetch is None else miss & fetch
-        b, j = torch.nonzero(need, as_tuple=True)
-        n = b.numel()
-        if fetch is None:  # a selection: every wanted block is a hit or a miss
-            self.counts["misses"] += n
-            self.counts["hits"] += int((wanted >= 0).sum()) - n
-            self.count_per_request(wanted, need)
-        else:  # the tail block of a request that just came back (prefill wrote it to the host)
-            self.counts["tail_fetches"] += n
-        if n:
-            src = host_tables[b, wanted[b, j].long()].to(torch.int32)
-            dst = slots[b, j].to(torch.int32)
-            layers = torch.full_like(dst, layer)
-            gather = gather_host_blocks if self.cuda else gather_host_blocks_reference
-            gather(self.host.kv, self.pool.kv, layers, src, dst)
-            self.counts["bytes_gathered"] += n * self.host.chunk_bytes
-        return slots
-
-    def count_per_request(self, wanted: torch.Tensor, miss: torch.Tensor) -> None:
-        selected, missed = (wanted >= 0).sum(1).tolist(), miss.sum(1).tolist()
-        for rid, sel, m in zip(self.meta.decode_request_ids, selected, missed):
-            c = self.per_request[rid]
-            c["kv_selected_blocks"] += sel
-            c["kv_misses"] += m
-            c["kv_hits"] += sel - m
-            c["kv_bytes_gathered"] += m * self.host.chunk_bytes
-
-    def spill_full_tails(self, layer, fill, tail_slots, tail_host) -> None:
-        """A tail block that just filled is written once to the host store; it stays resident."""
-        full = torch.nonzero(fill == self.block_size, as_tuple=True)[0]
-        if full.numel() == 0:
-            return
-        src, dst = tail_slots[full].to(torch.int32), tail_host[full].to(torch.int32)
-        store = store_blocks_to_host if self.cuda else store_blocks_to_host_reference
-        store(self.pool.kv, self.host.kv, torch.full_like(src, layer), src, dst)
-        if self.cuda:
-            torch.cuda.current_stream().synchronize()  # the host copy must be complete before any re-fetch

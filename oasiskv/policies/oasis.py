@@ -1,0 +1,253 @@
+"""Oasis: lookahead prefetch. Each decode token x_t runs with a draft token d_{t+1} beside it (the
+last num_draft rows of the batch). Per layer (see shared/DESIGN.md, "A decode step in oasis mode"):
+
+  1. wait for the blocks prefetched for this layer during the previous step;
+  2. append x_t's K/V to its tail block; select with x_t's query; blocks of the selection that are
+     not resident are misses: left out (miss policy "skip") or fetched now ("fetch"). A request's
+     first decode step has no prediction yet: its misses are always fetched (cold start);
+  3. x_t attends to its selection, the draft to the same blocks plus x_t and itself (its own K/V goes
+     where x_{t+1}'s will, and is overwritten by it next step);
+  4. the draft's query selects too: that selection is the prediction for the next step. Its
+     non-resident blocks, highest score first and at most `fetch_cap x budget` tokens of them, are
+     gathered from the host store on the copy stream, evicting blocks outside the prediction.
+
+The working-set row holds budget + 1 blocks: a full selection plus the block a draft token opens.
+On the CPU the same steps run synchronously."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from oasiskv.kernels.block_select import block_scores, block_scores_reference, select_blocks_padded
+from oasiskv.kernels.paged_decode import paged_decode_attention, paged_decode_reference
+from oasiskv.kernels.sparse_decode import sparse_decode_attention, sparse_decode_reference
+from oasiskv.policies.sparse import padded_to_csr
+from oasiskv.policies.tiered import TieredPolicy
+
+
+class EventClock:
+    """GPU-side durations from pairs of CUDA events, summed once both have completed (no sync)."""
+
+    def __init__(self):
+        self.pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self.totals: dict[str, float] = defaultdict(float)
+
+    @staticmethod
+    def mark(stream) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def close(self, name: str, start: torch.cuda.Event, stream) -> torch.cuda.Event:
+        end = self.mark(stream)
+        self.pending.append((name, start, end))
+        return end
+
+    def collect(self) -> None:
+        waiting = []
+        for name, start, end in self.pending:
+            if end.query():
+                self.totals[name] += start.elapsed_time(end) / 1000
+            else:
+                waiting.append((name, start, end))
+        self.pending = waiting
+
+
+def compact(padded: torch.Tensor) -> torch.Tensor:
+    """Moves each row's entries >= 0 to its front, keeping their order (-1 after them)."""
+    order = torch.sort((padded < 0).to(torch.int8), dim=1, stable=True).indices
+    return padded.gather(1, order)
+
+
+class OasisPolicy(TieredPolicy):
+    name = "oasis"
+    wants_drafts = True
+    COUNTERS = TieredPolicy.COUNTERS + ("prefetched_blocks", "cold_fetched_blocks", "miss_fetched_blocks",
+                                        "agree_hits", "agree_total")
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        layers, rows = self.pool.kv.shape[0], self.ws.rows
+        self.fetch_cap_blocks = self.cfg.fetch_blocks(self.block_size)
+        self.predicted = torch.zeros(layers, rows, self.ws.max_blocks + 1, dtype=torch.bool, device=self.pool.kv.device)
+        self.most_prefetched = torch.zeros((), dtype=torch.int64, device=self.pool.kv.device)
+        self.predicted_at: dict[int, int] = {}  # row -> step of its latest prediction
+        self.prefetched: list[torch.cuda.Event | None] = [None] * layers
+        self.clock = EventClock() if self.cuda else None
+        self.decode_steps = 0
+
+    def release(self, request_id: str) -> None:
+        if request_id in self.ws._row_of:
+            row = self.ws.row(request_id)
+            self.predicted[:, row] = False
+            self.predicted_at.pop(row, None)
+        super().release(request_id)
+
+    def begin_step(self, meta) -> None:
+        super().begin_step(meta)
+        rows = [self.ws.row(r) for r in meta.decode_request_ids]
+        step, dev = self.step_index, self.pool.kv.device
+        cold = [r not in self.predicted_at for r in rows]
+        self.cold = torch.tensor(cold, dtype=torch.bool).to(dev)
+        self.any_cold = any(cold)
+        # after its first decode step a request's tail is always resident: the same block as last
+        # step's, or the one last step's draft opened (both protected from eviction)
+        self.tails_resident = not self.any_cold
+        seq_lens = meta.decode_seq_lens_host
+        self.any_opens = any(n % self.block_size == 0 for n in seq_lens)  # a draft starts a new block
+        self.fresh = torch.tensor([self.predicted_at.get(r) == step - 1 for r in rows], dtype=torch.bool).to(dev)
+        self.predicted_at.update((r, step) for r in rows)
+        self.decode_steps += bool(rows)
+        if self.clock:
+            self.clock.collect()
+
+    # -- one layer -----------------------------------------------------------------------------------
+    def decode(self, layer, q, k, v, out) -> None:
+        meta = self.meta
+        nd, real = meta.num_decode, len(q) - meta.num_draft
+        self.wait_for_prefetch(layer)
+        tail_slots, fill, tail_host = self.write_tail(layer, k[:nd], v[:nd])
+        dense = self.is_dense_layer(layer)
+        attended = self.resident_selection(layer, q[:nd], dense)
+        tables = self.ws.table(layer, self.rows, self.host_tables.shape[1])
+        seq_lens = meta.decode_seq_lens
+        with self.timer("attention"):
+            out[:nd] = self.attend_blocks(q[:nd], layer, tables, attended, seq_lens, meta.decode_max_seq_len, dense)
+        opened = self.write_draft_kv(layer, fill, tail_slots, attended, k[real:], v[real:])
+        draft_blocks = torch.cat([attended, opened[:, None]], dim=1)
+        tables = self.ws.table(layer, self.rows, self.host_tables.shape[1])  # a copy: re-read after the placement
+        with self.timer("attention"):
+            out[real:] = self.attend_blocks(q[real:], layer, tables, draft_blocks, seq_lens + 1,
+                                            meta.decode_max_seq_len + 1, dense)
+        self.spill_full_tails(layer, fill, tail_slots, tail_host)
+        if not dense:
+            self.predict_and_prefetch(layer, q[real:], seq_lens + 1)
+        self.flush_counts(layer)
+
+    def wait_for_prefetch(self, layer: int) -> None:
+        done = self.prefetched[layer]
+        if done is None:
+            return
+        compute = torch.cuda.current_stream()
+        start = self.clock.mark(compute)
+        compute.wait_event(done)
+        self.clock.close("prefetch_exposed", start, compute)
+        self.prefetched[layer] = None
+
+    def resident_selection(self, layer, q, dense) -> torch.Tensor:
+        """x_t's selection restricted to what is resident once cold-start (and, with the "fetch"
+        policy, all) misses are fetched: int32 [B, K], valid ids first, then -1."""
+        if dense:
+            everything = torch.arange(self.num_decode_blocks, device=q.device, dtype=torch.int32)
+            nblocks = (self.meta.decode_seq_lens.long() + self.block_size - 1) // self.block_size
+            selection = torch.where(everything[None, :] < nblocks[:, None], everything[None, :], -1)
+        else:
+            with self.timer("select"):
+                _, selection, _, _ = self.select(layer, q, self.meta.decode_block_tables)
+        valid = selection >= 0
+        resident = self.ws.table(layer, self.rows, self.host_tables.shape[1]).gather(
+            1, selection.clamp(min=0).long()) >= 0
+        missing = valid & ~resident
+        self.count("selected_blocks", valid)
+        self.count("hits", valid & resident)
+        self.count("misses", missing)
+        if not dense:
+            self.count_agreement(layer, selection, valid)
+        fetch_all = dense or self.cfg.miss_policy == "fetch"
+        if not (fetch_all or self.any_cold):  # nothing to fetch now: misses are left out
+            return compact(torch.where(resident, selection, -1))
+        fetch_rows = torch.ones_like(self.cold) if fetch_all else self.cold
+        need = torch.where(missing & fetch_rows[:, None], selection, -1)
+        with self.timer("gather"):
+            fetched, _ = self.fetch(layer, need, self.mask_of(selection))
+        self.count("cold_fetched_blocks", fetched & self.cold[:, None])
+        self.count("miss_fetched_blocks", fetched & ~self.cold[:, None])
+        return compact(torch.where(valid & (resident | fetched), selection, -1))
+
+    def count_agreement(self, layer, selection, valid) -> None:
+        """Share of this selection that last step's prediction contained (rows that made one)."""
+        predicted = self.predicted[layer, self.rows].gather(1, selection.clamp(min=0).long())
+        judged = valid & self.fresh[:, None]
+        hits = judged & predicted
+        self.count("agree_hits", hits)
+        self.count("agree_total", judged)
+
+    def write_draft_kv(self, layer, fill, tail_slots, attended, k, v) -> torch.Tensor:
+        """Puts the draft token's K/V where x_{t+1}'s will go: the tail block, or a block it opens
+        (placed now, resident for the next step). Returns the opened block id per row, or -1."""
+        pos = self.meta.decode_seq_lens.long()  # the draft's position
+        opens = fill == self.block_size
+        opened = torch.where(opens, pos // self.block_size, -1).to(torch.int32)
+        slot = tail_slots
+        if self.any_opens:
+            protect = self.mask_of(attended) | self.mask_of(opened[:, None])
+            _, slots = self.ws.place(layer, self.rows, opened[:, None], protect, self.step_index)
+            slot = torch.where(opens, slots[:, 0].long(), tail_slots)
+        gpu_kv = self.pool.layer(layer)
+        gpu_kv[slot, 0, pos % self.block_size] = k
+        gpu_kv[slot, 1, pos % self.block_size] = v
+        return opened
+
+    def attend_blocks(self, q, layer, tables, blocks, seq_lens, max_seq_len, dense):
+        gpu_kv = self.pool.layer(layer)
+        if dense:
+            if self.cuda:
+                return paged_decode_attention(q, gpu_kv, tables, seq_lens, self.scale, max_seq_len=max_seq_len)
+            return paged_decode_reference(q, gpu_kv, tables, seq_lens, self.scale)
+        blocks = compact(blocks)
+        indptr, indices = padded_to_csr((blocks >= 0).sum(1).to(torch.int32), blocks)
+        attend = sparse_decode_attention if self.cuda else sparse_decode_reference
+        return attend(q, gpu_kv, tables, indptr, indices, seq_lens, self.scale)
+
+    def predict_and_prefetch(self, layer, q_draft, draft_lens) -> None:
+        """The draft's selection is the prediction for the next step; its missing blocks are
+        gathered, best first, up to the fetch cap, on the copy stream."""
+        nblocks = ((draft_lens + self.block_size - 1) // self.block_size).to(torch.int32)
+        with self.timer("predict"):
+            score = block_scores if self.cuda else block_scores_reference
+            scores = score(q_draft, self.summaries.layer(layer), self.host_tables, nblocks)
+            _, prediction = select_blocks_padded(scores, nblocks, self.budget_blocks, self.cfg.sink_blocks,
+                                                 self.cfg.local_blocks)
+        ids = prediction.clamp(min=0).long()
+        self.predicted[layer, self.rows] = self.mask_of(prediction, self.ws.max_blocks + 1)
+        resident = self.ws.table(layer, self.rows, self.host_tables.shape[1]).gather(1, ids) >= 0
+        wanted = (prediction >= 0) & ~resident
+        key = torch.where(wanted, scores.gather(1, ids), float("-inf"))
+        best = key.topk(min(self.fetch_cap_blocks, key.shape[1]), dim=1)
+        fetch = torch.where(best.values > float("-inf"), prediction.gather(1, best.indices), -1)
+        with self.timer("prefetch"):
+            start = self.clock.mark(self.copy_stream) if self.cuda else None
+            fetched, _ = self.fetch(layer, fetch, self.mask_of(prediction), stream=self.copy_stream)
+            if self.cuda:
+                self.prefetched[layer] = self.clock.close("prefetch", start, self.copy_stream)
+        self.count("prefetched_blocks", fetched)
+        self.most_prefetched = torch.maximum(self.most_prefetched, fetched.sum(1).max())
+
+    # -- statistics -----------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        out = super().stats()
+        chunk = self.host.chunk_bytes
+        hits, total = self.counter_index["agree_hits"], self.counter_index["agree_total"]
+        agreement = self.layer_counts[:, [hits, total]].tolist()
+        out["kv_agreement"] = ratio(out["kv_agree_hits"], out["kv_agree_total"])
+        out["kv_agreement_per_layer"] = [ratio(h, t) for h, t in agreement]
+        out["kv_hit_rate"] = ratio(out["kv_hits"], out["kv_selected_blocks"])
+        out["kv_prefetch_bytes"] = out["kv_prefetched_blocks"] * chunk
+        out["kv_prefetch_bytes_per_step"] = out["kv_prefetch_bytes"] / max(self.decode_steps, 1)
+        out["kv_fetch_cap_blocks"] = self.fetch_cap_blocks
+        out["kv_max_prefetched_blocks"] = int(self.most_prefetched)
+        if self.clock:
+            torch.cuda.synchronize()
+            self.clock.collect()
+            for name, seconds in self.clock.totals.items():
+                out[f"kv_time_{name}_s"] = round(seconds, 6)
+        else:  # synchronous on the CPU: every prefetch is on the critical path
+            out["kv_time_prefetch_exposed_s"] = out.get("kv_time_prefetch_s", 0.0)
+        out["kv_time_prefetch_hidden_s"] = round(out.get("kv_time_prefetch_s", 0.0)
+                                                 - out.get("kv_time_prefetch_exposed_s", 0.0), 6)
+        return out
+
+
+def ratio(a: int, b: int) -> float | None:
+    return round(a / b, 6) if b else None

@@ -1,0 +1,208 @@
+"""The host tier: the full KV in the host store, each running request's working set in GPU slots.
+
+TieredPolicy holds what retrieval and oasis share: prefill writes the host store and attends densely;
+a decode appends to the tail block (resident, written to the host once full); blocks are made
+resident with `fetch`, which runs without a host sync (fixed-size lists, -1 = nothing) on the
+current stream or on a copy stream. Counters accumulate on the device and are read when asked.
+
+RetrievalPolicy is the baseline: per layer, the selection's missing blocks are gathered before
+that layer's attention, on the critical path."""
+from __future__ import annotations
+
+import torch
+
+from oasiskv.config import KVConfig
+from oasiskv.kernels.host_gather import (gather_host_blocks, gather_host_blocks_reference, store_blocks_to_host,
+                                         store_blocks_to_host_reference)
+from oasiskv.kv.gpu_pool import KVPool
+from oasiskv.kv.host_store import HostStore
+from oasiskv.kv.summaries import BlockSummaries
+from oasiskv.kv.working_set import WorkingSet
+from oasiskv.policies.dense import sdpa
+from oasiskv.policies.sparse import SparsePolicy
+
+
+class TieredPolicy(SparsePolicy):
+    COUNTERS = ("selected_blocks", "hits", "misses", "fetched_blocks", "tail_fetches")
+
+    def __init__(self, pool: KVPool, host: HostStore, working_set: WorkingSet, kv_cfg: KVConfig,
+                 summaries: BlockSummaries, block_size: int, scale: float, device: torch.device,
+                 timing: bool = True):
+        super().__init__(kv_cfg, summaries, block_size, scale, device, timing)
+        self.pool, self.host, self.ws = pool, host, working_set
+        self.counter_index = {name: i for i, name in enumerate(self.COUNTERS)}
+        self.row_counts = torch.zeros(working_set.rows, len(self.COUNTERS), dtype=torch.int64, device=device)
+        self.layer_counts = torch.zeros(pool.kv.shape[0], len(self.COUNTERS), dtype=torch.int64, device=device)
+        self.pending: dict[int, torch.Tensor] = {}
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+
+    # -- counters (on the device; read only by stats and at release) ------------------------------
+    def count(self, name: str, per_row: torch.Tensor) -> None:
+        """Adds per decode row values ([B] or [B, K] summed over K) to counter `name` (applied by
+        flush_counts, in one go per layer)."""
+        if per_row.dim() == 2:
+            per_row = per_row.sum(1)
+        i = self.counter_index[name]
+        self.pending[i] = per_row if i not in self.pending else self.pending[i] + per_row
+
+    def flush_counts(self, layer: int) -> None:
+        if not self.pending:
+            return
+        index = torch.tensor(list(self.pending), device=self.row_counts.device)
+        values = torch.stack(list(self.pending.values())).long()  # [counters, B]
+        self.row_counts.index_put_((self.rows[None, :], index[:, None]), values, accumulate=True)
+        self.layer_counts[layer].index_add_(0, index, values.sum(1))
+        self.pending = {}
+
+    def release(self, request_id: str) -> None:
+        if request_id in self.ws._row_of:
+            row = self.ws.row(request_id)
+            values = self.row_counts[row].tolist()
+            self.row_counts[row] = 0
+            mine = self.per_request[request_id]
+            for name, v in zip(self.COUNTERS, values):
+                mine[f"kv_{name}"] += v
+                self.counts[name] += v
+            mine["kv_bytes_gathered"] = mine["kv_fetched_blocks"] * self.host.chunk_bytes
+        self.ws.release(request_id)
+
+    def stats(self) -> dict:
+        live = self.row_counts.sum(0).tolist()
+        out = {f"kv_{name}": self.counts.get(name, 0) + v for name, v in zip(self.COUNTERS, live)}
+        out["kv_bytes_gathered"] = out["kv_fetched_blocks"] * self.host.chunk_bytes
+        out.update({f"kv_time_{k}_s": round(v, 6) for k, v in self.timer.totals.items()})
+        return out
+
+    # -- the step -----------------------------------------------------------------------------------
+    def begin_step(self, meta) -> None:
+        super().begin_step(meta)
+        ids = meta.decode_request_ids
+        self.rows = torch.tensor([self.ws.row(r) for r in ids], dtype=torch.long).to(self.pool.kv.device)
+        # host tables one column wider: room for the block a draft token opens (scored, never fetched)
+        tables = meta.decode_block_tables
+        self.host_tables = torch.cat([tables, tables.new_zeros(len(tables), 1)], dim=1)
+        self.tails_resident = False  # retrieval re-checks every step; oasis knows when they are
+
+    def attend(self, layer, q, k, v):
+        meta = self.meta
+        nd, real = meta.num_decode, len(q) - meta.num_draft
+        out = torch.empty_like(q)
+        if real > nd:
+            self.prefill(layer, q[:real], k[:real], v[:real], out)
+        if nd:
+            self.decode(layer, q, k, v, out)
+        return out
+
+    def prefill(self, layer, q, k, v, out) -> None:
+        """Prefill writes the host store (and summaries) and attends densely; nothing stays resident."""
+        meta, nd = self.meta, self.meta.num_decode
+        blocks, offsets = meta.slot_blocks[nd:], meta.slot_offsets[nd:]
+        self.host.write_tokens(layer, blocks, offsets, k[nd:], v[nd:])
+        self.summaries.merge_prefill(layer, blocks, offsets, k[nd:])
+        for span in meta.prefills:
+            s, e = span.token_start, span.token_end
+            if span.start_pos == 0:
+                out[s:e] = sdpa(q[s:e], k[s:e], v[s:e], self.scale, causal=True)
+                continue
+            ctx = span.start_pos + (e - s)
+            pk, pv = self.host.read_prefix(layer, span.block_ids, ctx, q.device)
+            mask = torch.arange(ctx, device=q.device)[None, :] <= (span.start_pos +
+                                                                  torch.arange(e - s, device=q.device))[:, None]
+            out[s:e] = sdpa(q[s:e], pk, pv, self.scale, mask=mask)
+
+    def write_tail(self, layer, k, v):
+        """Appends each decode token's K/V to its tail block (made resident first: after a prefill the
+        tail's earlier tokens are on the host) and refreshes that block's summary.
+        Returns (tail slot [B] long, tokens in the tail [B], the tail's host block [B])."""
+        tail, fill = self.decode_tail()
+        tail_host = self.meta.decode_block_tables.gather(1, tail[:, None]).squeeze(1)
+        wanted = tail[:, None].to(torch.int32)
+        if self.tails_resident:
+            tail_slots = self.ws.slot_of[layer, self.rows, tail].long()
+        else:
+            with self.timer("gather"):
+                miss, slots = self.fetch(layer, wanted, self.mask_of(wanted), only=(fill > 1)[:, None])
+            self.count("tail_fetches", miss & (fill > 1)[:, None])
+            tail_slots = slots.squeeze(1).long()
+        gpu_kv = self.pool.layer(layer)
+        gpu_kv[tail_slots, 0, fill - 1] = k
+        gpu_kv[tail_slots, 1, fill - 1] = v
+        self.summaries.update_from(layer, gpu_kv, tail_slots.to(torch.int32), fill.to(torch.int32),
+                                   tail_host.to(torch.int32))
+        return tail_slots, fill, tail_host
+
+    def mask_of(self, blocks: torch.Tensor, width: int | None = None) -> torch.Tensor:
+        """bool [B, width]: the logical blocks listed in `blocks` (int32 [B, K], -1 = none)."""
+        width = width or self.host_tables.shape[1]
+        mask = torch.zeros(len(blocks), width + 1, dtype=torch.bool, device=blocks.device)
+        mask.scatter_(1, torch.where(blocks >= 0, blocks.long(), width), True)
+        return mask[:, :width]
+
+    def fetch(self, layer, wanted, protect, only=None, stream=None):
+        """Makes `wanted` (int32 [B, K], -1 = none) resident, evicting unprotected blocks; copies the
+        blocks that were missing (where `only` allows; the others get a slot and no data) from the
+        host store, on `stream` if given. Returns (miss mask [B, K], slots [B, K])."""
+        miss, slots = self.ws.place(layer, self.rows, wanted, protect, self.step_index)
+        copy = miss if only is None else miss & only
+        src = torch.where(copy, self.host_tables.gather(1, wanted.clamp(min=0).long()), -1).to(torch.int32)
+        dst = torch.where(copy, slots, -1).to(torch.int32)
+        src, dst = src.reshape(-1), dst.reshape(-1)
+        layers = torch.full_like(src, layer)
+        if self.cuda:
+            if stream is not None:
+                stream.wait_stream(torch.cuda.current_stream())  # indices, and readers of evicted slots
+                for t in (src, dst, layers):
+                    t.record_stream(stream)
+            gather_host_blocks(self.host.kv, self.pool.kv, layers, src, dst, stream=stream)
+        else:
+            gather_host_blocks_reference(self.host.kv, self.pool.kv, layers, src, dst)
+        self.count("fetched_blocks", copy)
+        return miss, slots
+
+    def spill_full_tails(self, layer, fill, tail_slots, tail_host) -> None:
+        """A tail block that just filled is written once to the host store; it stays resident. On the
+        GPU the copy runs on the copy stream, which later fetches of the same block follow in order."""
+        full = fill == self.block_size
+        src = torch.where(full, tail_slots, -1).to(torch.int32)
+        dst = torch.where(full, tail_host.long(), -1).to(torch.int32)
+        layers = torch.full_like(src, layer)
+        if not self.cuda:
+            keep = full
+            store_blocks_to_host_reference(self.pool.kv, self.host.kv, layers[keep], src[keep], dst[keep])
+            return
+        self.copy_stream.wait_stream(torch.cuda.current_stream())
+        for t in (src, dst, layers):
+            t.record_stream(self.copy_stream)
+        store_blocks_to_host(self.pool.kv, self.host.kv, layers, src, dst, stream=self.copy_stream)
+
+    def wait_for_copies(self) -> None:
+        if self.cuda:
+            torch.cuda.current_stream().wait_stream(self.copy_stream)
+
+
+class RetrievalPolicy(TieredPolicy):
+    name = "retrieval"
+
+    def decode(self, layer, q, k, v, out) -> None:
+        nd = self.meta.num_decode
+        q, k, v = q[:nd], k[:nd], v[:nd]
+        self.wait_for_copies()  # tail spills of the previous layer/step precede any re-fetch
+        tail_slots, fill, tail_host = self.write_tail(layer, k, v)
+        if self.is_dense_layer(layer):
+            everything = torch.arange(self.num_decode_blocks, device=q.device, dtype=torch.int32)
+            nblocks = (self.meta.decode_seq_lens.long() + self.block_size - 1) // self.block_size
+            wanted = torch.where(everything[None, :] < nblocks[:, None], everything[None, :], -1)
+            indptr = indices = None
+        else:
+            with self.timer("select"):
+                _, wanted, indptr, indices = self.select(layer, q, self.meta.decode_block_tables)
+        with self.timer("gather"):
+            miss, _ = self.fetch(layer, wanted, self.mask_of(wanted))
+        self.count("selected_blocks", wanted >= 0)
+        self.count("misses", miss)
+        self.count("hits", (wanted >= 0) & ~miss)
+        tables = self.ws.table(layer, self.rows, self.meta.decode_block_tables.shape[1])
+        with self.timer("attention"):
+            out[:nd] = self.attention(q, self.pool.layer(layer), tables, indptr, indices)
+        self.spill_full_tails(layer, fill, tail_slots, tail_host)
+        self.flush_counts(layer)

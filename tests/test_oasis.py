@@ -1,0 +1,168 @@
+"""oasis mode: lookahead prefetch under a fetch cap. Exact where it must be, never over the cap, and
+outputs that come from the target alone."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from oasiskv.api import LLM, SamplingParams
+from oasiskv.config import CacheConfig, EngineConfig, KVConfig, SamplingParams as SP, SchedulerConfig
+from oasiskv.engine.engine import LLMEngine
+from oasiskv.lookahead.base import DraftSource
+
+from tests.test_sparse_modes import PROMPTS
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+SPARSE = dict(kv_budget=64, sink_blocks=1, local_blocks=1, kv_cache_gb=0.2, max_num_batched_tokens=256)
+
+
+class TeacherDraft(DraftSource):
+    """Test-only: drafts the token a reference run produced next (a perfect draft)."""
+
+    name = "teacher"
+
+    def __init__(self, prompts: dict[str, list[int]], outputs: dict[str, list[int]]):
+        self.prompt_len = {rid: len(p) for rid, p in prompts.items()}
+        self.outputs = outputs
+
+    def propose(self, chunks, captured):
+        out = {}
+        for c in chunks:
+            if c.sampled:
+                i = len(c.context) - self.prompt_len[c.request_id]  # index of the token after the new one
+                reference = self.outputs[c.request_id]
+                out[c.request_id] = reference[i] if i < len(reference) else c.context[-1]
+        return out
+
+
+def run(llm: LLM, prompts=PROMPTS, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_perfect_draft_with_full_cap_gives_quest_tokens():
+    long_prompts = PROMPTS[:2]  # 70 and 120 tokens: both outgrow the 4-block budget
+    quest = run(LLM(show_progress=False, kv_mode="quest", **SPARSE), long_prompts)
+    llm = LLM(show_progress=False, kv_mode="oasis", fetch_cap=1.0, **SPARSE)
+    engine = llm.engine
+    prompts = {str(i): engine.tokenizer.encode(p) for i, p in enumerate(long_prompts)}
+    engine.drafter = TeacherDraft(prompts, {str(i): t for i, t in enumerate(quest)})
+    for rid, ids in prompts.items():
+        engine.add_request(ids, GREEDY, request_id=rid)
+    while engine.has_unfinished():
+        engine.step()
+    oasis = [engine.requests[str(i)].output_token_ids for i in range(len(long_prompts))]
+    assert oasis == quest
+    stats = engine.stats_dict()
+    assert stats["kv_prefetched_blocks"] > 0  # the context outgrows the budget: blocks really moved
+    assert stats["kv_agreement"] > 0.9, stats["kv_agreement_per_layer"]
+
+
+class RecordingSampler:
+    """Wraps the engine's sampler: keeps every logits row it was given and what it returned."""
+
+    def __init__(self, inner):
+        self.inner, self.rows, self.tokens = inner, [], []
+
+    def sample(self, logits, request_ids, params):
+        tokens = self.inner.sample(logits, request_ids, params)
+        self.rows.append((len(request_ids), logits.shape[0]))
+        self.tokens.append((logits.argmax(-1).tolist(), list(tokens)))
+        return tokens
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.fixture(scope="module")
+def dense_tokens():
+    return run(LLM(show_progress=False, kv_mode="dense", kv_cache_gb=0.2))
+
+
+@pytest.mark.parametrize("draft", ["repeat", "ngram"])
+def test_outputs_come_from_the_target_and_budget_above_context_is_dense(draft, dense_tokens):
+    dense = dense_tokens
+    roomy = LLM(show_progress=False, kv_mode="oasis", draft=draft, kv_budget=2048, kv_cache_gb=0.2, host_kv_gb=0.5)
+    assert run(roomy) == dense
+    llm = LLM(show_progress=False, kv_mode="oasis", draft=draft, fetch_cap=0.25, **SPARSE)
+    recorder = llm.engine.sampler = RecordingSampler(llm.engine.sampler)
+    run(llm)
+    assert all(n == rows for n, rows in recorder.rows)  # one logits row per sampling request, none for drafts
+    assert all(argmax == tokens for argmax, tokens in recorder.tokens)  # greedy tokens are the target's argmax
+    stats = llm.engine.stats_dict()
+    assert stats["kv_max_prefetched_blocks"] <= stats["kv_fetch_cap_blocks"] == 1
+    assert len(stats["kv_agreement_per_layer"]) == 30 and 0 < stats["kv_agreement"] <= 1
+    assert stats["kv_selected_blocks"] == stats["kv_hits"] + stats["kv_misses"]
+
+
+def tiny_engine(tmp_path, **kv) -> LLMEngine:
+    config = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg = EngineConfig(model=str(tmp_path), load_format="dummy", show_progress=False, seed=3,
+                       kv=KVConfig(mode="oasis", budget=64, sink_blocks=1, local_blocks=1, host_kv_gb=0.01, **kv),
+                       cache=CacheConfig(kv_cache_gb=0.05), scheduler=SchedulerConfig(max_num_batched_tokens=512))
+    return LLMEngine(cfg)
+
+
+def resident(engine: LLMEngine) -> dict[tuple[str, int], set[int]]:
+    ws = engine.policy.ws
+    return {(rid, layer): {b for b in ws.block_of[layer, ws.row(rid)].tolist() if b >= 0}
+            for rid, r in engine.requests.items() if not r.finished and r.num_computed_tokens
+            for layer in range(ws.block_of.shape[0])}
+
+
+def test_fetch_cap_holds_for_hundreds_of_steps_and_resident_blocks_equal_the_host(tmp_path):
+    engine = tiny_engine(tmp_path, fetch_cap=0.25, draft="ngram")  # cap: 16 tokens = 1 block
+    gen = torch.Generator().manual_seed(0)
+    for i in range(3):
+        engine.add_request(torch.randint(0, 256, (150 + 40 * i,), generator=gen).tolist(),
+                           SP(temperature=0.8, seed=i, max_tokens=int(os.environ.get("NTOK", 300)), ignore_eos=True), request_id=str(i))
+    engine.step()  # prefill
+    bs, steps, new_blocks = engine.block_size, 0, 0
+    while engine.has_unfinished():
+        before = resident(engine)
+        engine.step()
+        steps += 1
+        for (rid, layer), now in resident(engine).items():
+            req = engine.requests[rid]
+            opened = req.num_computed_tokens // bs  # the block the draft of the next position opens
+            added = now - before.get((rid, layer), set()) - {opened, (req.num_computed_tokens - 1) // bs}
+            if before.get((rid, layer)):  # not the cold start right after the prefill
+                assert len(added) <= 1, (steps, rid, layer, added)  # the cap, seen from the working set
+                new_blocks += len(added)
+        if steps % 50 == 0:
+            check_resident_blocks_equal_host(engine)
+    stats = engine.stats_dict()
+    assert steps >= int(os.environ.get("NTOK", 300)) and new_blocks > 0
+    assert stats["kv_max_prefetched_blocks"] == 1 and stats["kv_prefetched_blocks"] >= new_blocks
+    assert stats["kv_prefetch_bytes"] == stats["kv_prefetched_blocks"] * engine.host.chunk_bytes
+
+
+def check_resident_blocks_equal_host(engine: LLMEngine) -> None:
+    ws, host, gpu, bs = engine.policy.ws, engine.host.kv, engine.pool.kv, engine.block_size
+    for rid, req in engine.requests.items():
+        if req.finished:
+            continue
+        full = req.num_computed_tokens // bs
+        row = ws.row(rid)
+        for layer in range(gpu.shape[0]):
+            for j in range(full):
+                slot = ws.slot_of[layer, row, j].item()
+                if slot >= 0:
+                    assert torch.equal(gpu[layer, slot], host[layer, req.block_ids[j]]), (rid, layer, j)
+
+
+@pytest.mark.parametrize("kv, message", [
+    (dict(fetch_cap=0.01), "less than one block"),
+    (dict(fetch_cap=1.5), "--fetch-cap must be in"),
+    (dict(draft="eagle3"), "--draft-model"),
+    (dict(draft="psychic"), "--draft must be one of"),
+    (dict(miss_policy="pray"), "--miss-policy"),
+])
+def test_impossible_oasis_configuration_is_a_clear_error(kv, message):
+    with pytest.raises(ValueError, match=message):
+        KVConfig(mode="oasis", budget=512, **kv).validate(16, 30)
