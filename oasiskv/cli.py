@@ -147,6 +147,12 @@ def cmd_chat(args) -> None:
         print(f"model> {reply}")
 
 
+def cmd_eval(args) -> None:
+    from oasiskv.evals.cli import main as eval_main
+
+    eval_main(args)
+
+
 def cmd_bench_throughput(args) -> None:
     from oasiskv.bench.throughput import run_from_args
 
@@ -218,6 +224,11 @@ def parser() -> argparse.ArgumentParser:
     add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat, max_tokens=256)
     add_bench_parser(sub)
+    evaluate = sub.add_parser("eval", help="accuracy of every KV mode against dense on long texts")
+    from oasiskv.evals.cli import add_args as add_eval_args
+
+    add_eval_args(evaluate)
+    evaluate.set_defaults(func=cmd_eval)
     add_serve_parser(sub)
     train_draft = sub.add_parser("train-draft", help="train an EAGLE-3 draft head for the target model")
     from oasiskv.lookahead.train_draft import add_args as add_train_draft_args
