@@ -10,7 +10,7 @@ import time
 
 # (full run, --quick) defaults of the flags whose value depends on --quick
 SIZES = {"context": ("4096,8192", "1024"), "kv_budget": ("512,1024,2048", "256"), "samples": (20, 2),
-         "windows": (8, 2), "scored": (256, 16), "gen_tokens": (256, 16), "batch": (16, 4)}
+         "windows": (8, 2), "scored": (256, 16), "gen_tokens": (256, 16), "batch": (20, 4)}
 
 
 def csv(kind):

@@ -148,6 +148,7 @@ def run_variant(llm, v: Variant, tasks, inputs, settings, references, context, l
         log(f"[eval] context {context} | {v.label} | {t.name}")
         reference = references[t.name] if references else None
         metrics, produced[t.name] = t.run(llm, inputs[t.name], settings, reference)
+        log(f"[eval]   " + ", ".join(f"{m} {value:.4g}" for m, value in metrics.items()))
         rows += [row(context, v, t.name, m, value) for m, value in metrics.items()]
     scores = [r["value"] for r in rows if r["task"] in SYNTHETIC]
     if scores:
