@@ -4,7 +4,11 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # CPU-only machines take the CPU build of torch that lies on disk; a bare `torch` would pull CUDA.
 TORCH  := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.11" || echo "torch==2.13.0")
-DEMO_PROMPT ?= What is the capital of France? Answer in one sentence, then name two famous sights there.
+DEMO_PROMPT ?= Who is Mr. Bingley, and what does Mrs. Bennet hope for? Answer in two sentences.
+DEMO_TEXT   ?= oasiskv/evals/sample_pride_and_prejudice.txt
+# oasis mode on a ~2K-token passage: a 512-token budget makes attention sparse, the n-gram draft
+# predicts the next step's blocks and up to 0.1 x 512 tokens per layer are prefetched each step
+DEMO_FLAGS  ?= --kv-mode oasis --kv-budget 512 --fetch-cap 0.1 --draft ngram
 
 .PHONY: demo test install clean
 
@@ -18,7 +22,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m oasiskv.cli generate --chat --prompt "$(DEMO_PROMPT)" --max-tokens 96 --temperature 0
+	$(PY) -m oasiskv.cli generate --chat --prompt-file "$(DEMO_TEXT)" --prompt "$(DEMO_PROMPT)" \
+		--max-tokens 96 --temperature 0 $(DEMO_FLAGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -112,8 +112,14 @@ def cmd_generate(args) -> None:
     params = sampling_params(args)
     llm = build_llm(args)
     prompt = args.prompt
+    if args.prompt_file:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                prompt = f.read() + "\n\n" + prompt
+        except OSError as e:
+            raise SystemExit(f"error: cannot read --prompt-file: {e}")
     if args.chat:
-        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     try:
         out = llm.generate(prompt, params, use_tqdm=False)[0]
     except ValueError as e:
@@ -213,6 +219,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
     gen.add_argument("--prompt", required=True)
+    gen.add_argument("--prompt-file", default=None, help="text placed before --prompt (a long document to ask about)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, stats) last")
     add_engine_args(gen)

@@ -134,9 +134,8 @@ class KVConfig:
                              "raise the cap or the budget")
         if self.draft not in DRAFTS:
             raise ValueError(f"--draft must be one of {', '.join(DRAFTS)}, got {self.draft!r}")
-        if (self.draft == "eagle3") != (self.draft_model is not None):
-            raise ValueError("--draft eagle3 needs --draft-model DIR (an EAGLE-3 head), and --draft-model needs "
-                             "--draft eagle3")
+        if self.draft_model is not None and self.draft != "eagle3":
+            raise ValueError("--draft-model needs --draft eagle3")
         if self.miss_policy not in MISS_POLICIES:
             raise ValueError(f"--miss-policy must be one of {', '.join(MISS_POLICIES)}, got {self.miss_policy!r}")
 

@@ -81,7 +81,7 @@ def dense_tokens():
     return run(LLM(show_progress=False, kv_mode="dense", kv_cache_gb=0.2))
 
 
-@pytest.mark.parametrize("draft", ["repeat", "ngram"])
+@pytest.mark.parametrize("draft", ["repeat", "ngram", "eagle3"])  # eagle3: the head shipped for SmolLM2
 def test_outputs_come_from_the_target_and_budget_above_context_is_dense(draft, dense_tokens):
     dense = dense_tokens
     roomy = LLM(show_progress=False, kv_mode="oasis", draft=draft, kv_budget=2048, kv_cache_gb=0.2, host_kv_gb=0.5)
@@ -95,6 +95,28 @@ def test_outputs_come_from_the_target_and_budget_above_context_is_dense(draft, d
     assert stats["kv_max_prefetched_blocks"] <= stats["kv_fetch_cap_blocks"] == 1
     assert len(stats["kv_agreement_per_layer"]) == 30 and 0 < stats["kv_agreement"] <= 1
     assert stats["kv_selected_blocks"] == stats["kv_hits"] + stats["kv_misses"]
+
+
+def test_shipped_eagle3_head_guesses_the_next_token():
+    """Draft acceptance of the shipped head: how often its guess is the token the target emits next."""
+    llm = LLM(show_progress=False, kv_mode="oasis", draft="eagle3", kv_cache_gb=0.2, host_kv_gb=0.5)
+    engine, guesses = llm.engine, []
+    propose = engine.drafter.propose
+
+    def recording(chunks, captured):
+        out = propose(chunks, captured)
+        guesses.extend((rid, len(next(c for c in chunks if c.request_id == rid).context), tok)
+                       for rid, tok in out.items())
+        return out
+
+    engine.drafter.propose = recording
+    chats = [[{"role": "user", "content": q}] for q in
+             ("Explain what a hash table is.", "Write a short poem about the sea.")]
+    outs = llm.chat(chats, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)
+    tokens = {o.request_id: o.prompt_token_ids + o.outputs[0].token_ids for o in outs}
+    judged = [(tokens[rid][pos] == tok) for rid, pos, tok in guesses if pos < len(tokens[rid])]
+    acceptance = sum(judged) / len(judged)
+    assert len(judged) > 60 and acceptance > 0.3, acceptance  # trained: 0.46 top-1 on held-out chats
 
 
 def tiny_engine(tmp_path, **kv) -> LLMEngine:
@@ -159,7 +181,7 @@ def check_resident_blocks_equal_host(engine: LLMEngine) -> None:
 @pytest.mark.parametrize("kv, message", [
     (dict(fetch_cap=0.01), "less than one block"),
     (dict(fetch_cap=1.5), "--fetch-cap must be in"),
-    (dict(draft="eagle3"), "--draft-model"),
+    (dict(draft="ngram", draft_model="/some/head"), "--draft-model needs --draft eagle3"),
     (dict(draft="psychic"), "--draft must be one of"),
     (dict(miss_policy="pray"), "--miss-policy"),
 ])

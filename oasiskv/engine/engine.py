@@ -77,7 +77,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.policy, self.block_size, self.device)
         self.drafter = None  # oasis mode: guesses each request's next token for the lookahead
         if self.policy.wants_drafts:
-            self.drafter = build_draft_source(config.kv, self.model, self.device, self.dtype)
+            self.drafter = build_draft_source(config.kv, self.model, self.device, self.dtype, config.model)
             self.runner.capture_layers = self.drafter.capture_layers
         self.sampler = Sampler(self.device, config.seed)
         self.requests: dict[str, Request] = {}

@@ -1,6 +1,8 @@
 """Builds the draft source a --draft flag names."""
 from __future__ import annotations
 
+import importlib.resources
+
 import torch
 
 from oasiskv.config import KVConfig
@@ -8,7 +10,12 @@ from oasiskv.lookahead.base import DraftSource
 from oasiskv.lookahead.ngram import NgramDraft, RepeatDraft
 
 
-def build_draft_source(kv: KVConfig, target: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> DraftSource:
+# EAGLE-3 heads we trained and ship, by the target they serve (None: the embedded default model)
+SHIPPED_HEADS = {None: "smollm2-135m-instruct"}
+
+
+def build_draft_source(kv: KVConfig, target: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+                       model: str | None = None) -> DraftSource:
     if kv.draft == "ngram":
         return NgramDraft()
     if kv.draft == "repeat":
@@ -16,5 +23,12 @@ def build_draft_source(kv: KVConfig, target: torch.nn.Module, device: torch.devi
     if kv.draft == "eagle3":
         from oasiskv.lookahead.eagle3 import Eagle3Draft
 
-        return Eagle3Draft.from_dir(kv.draft_model, target, device, dtype)
+        return Eagle3Draft.from_dir(kv.draft_model or shipped_head(model), target, device, dtype)
     raise ValueError(f"unknown draft source {kv.draft!r}")
+
+
+def shipped_head(model: str | None) -> str:
+    if model not in SHIPPED_HEADS:
+        raise ValueError("--draft eagle3 needs --draft-model DIR (an EAGLE-3 head for this model; "
+                         "`oasiskv train-draft` trains one); only the embedded default model has a shipped head")
+    return str(importlib.resources.files("oasiskv.lookahead") / "heads" / SHIPPED_HEADS[model])

@@ -151,6 +151,7 @@ class TieredPolicy(SparsePolicy):
         if self.cuda:
             if stream is not None:
                 stream.wait_stream(torch.cuda.current_stream())  # indices, and readers of evicted slots
+                self.copy_started = self.clock.mark(stream) if getattr(self, "clock", None) else None
                 for t in (src, dst, layers):
                     t.record_stream(stream)
             gather_host_blocks(self.host.kv, self.pool.kv, layers, src, dst, stream=stream)

@@ -1,0 +1,80 @@
+"""Lookahead agreement of each draft source on real long texts: per layer, the share of the true
+next-step selection that the previous step's prediction contained (oasis mode, greedy decoding).
+
+Texts every Python install has: the language reference prose of pydoc_data/topics.py and the source
+of the standard library's own modules. Prompts are the first CONTEXT tokens; the model continues.
+
+    PYTHONPATH=. python scripts/agreement.py --contexts 4096,8192 --drafts ngram,repeat[,eagle3 --draft-model DIR]
+        [--budget 2048] [--fetch-cap 0.05] [--steps 128] [--json FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sysconfig
+import time
+
+from oasiskv.api import LLM, SamplingParams
+
+
+def long_texts() -> dict[str, str]:
+    lib = sysconfig.get_paths()["stdlib"]
+    with open(os.path.join(lib, "pydoc_data", "topics.py"), encoding="utf-8") as f:
+        namespace: dict = {}
+        exec(compile(f.read(), "topics.py", "exec"), namespace)  # a dict of reference-manual topics
+    prose = "\n\n".join(namespace["topics"][k] for k in sorted(namespace["topics"]))
+    code = ""
+    for name in ("argparse.py", "inspect.py", "typing.py", "dataclasses.py"):
+        with open(os.path.join(lib, name), encoding="utf-8") as f:
+            code += f.read()
+    return {"reference-prose": prose, "stdlib-code": code}
+
+
+def measure(args, draft: str, context: int, prompts: dict[str, list[int]]) -> dict:
+    llm = LLM(args.model, show_progress=False, kv_mode="oasis", kv_budget=args.budget, fetch_cap=args.fetch_cap,
+              draft=draft, draft_model=args.draft_model if draft == "eagle3" else None,
+              max_model_len=context + args.steps + 16, max_num_batched_tokens=8192)
+    t = time.perf_counter()
+    llm.generate(list(prompts.values()),
+                 SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True), use_tqdm=False)
+    stats = llm.engine.stats_dict()
+    row = {"draft": draft, "context": context, "budget": args.budget, "fetch_cap": args.fetch_cap,
+           "steps": args.steps, "texts": list(prompts), "seconds": round(time.perf_counter() - t, 1)}
+    for key in ("kv_agreement", "kv_agreement_per_layer", "kv_hit_rate", "kv_misses", "kv_selected_blocks",
+                "kv_prefetch_bytes_per_step"):
+        row[key.removeprefix("kv_")] = stats.get(key)
+    del llm
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default=None)
+    p.add_argument("--contexts", default="4096,8192")
+    p.add_argument("--drafts", default="ngram,repeat")
+    p.add_argument("--draft-model", default=None)
+    p.add_argument("--budget", type=int, default=2048)
+    p.add_argument("--fetch-cap", type=float, default=0.05)
+    p.add_argument("--steps", type=int, default=128)
+    p.add_argument("--json", default="results/agreement.json")
+    args = p.parse_args()
+    tokenizer = LLM(args.model, show_progress=False, kv_cache_gb=0.05).tokenizer
+    encoded = {name: tokenizer.encode(text) for name, text in long_texts().items()}
+    rows = []
+    for context in (int(c) for c in args.contexts.split(",")):
+        prompts = {name: ids[:context] for name, ids in encoded.items()}
+        for draft in args.drafts.split(","):
+            row = measure(args, draft, context, prompts)
+            rows.append(row)
+            print(f"context {context:5d}  draft {draft:7s}  agreement {row['agreement']:.4f}  hit rate "
+                  f"{row['hit_rate']:.4f}  ({row['seconds']} s)  per layer "
+                  + " ".join(f"{a:.3f}" for a in row["agreement_per_layer"]), flush=True)
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(rows, f, indent=2)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
