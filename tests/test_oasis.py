@@ -12,6 +12,7 @@ from oasiskv.api import LLM, SamplingParams
 from oasiskv.config import CacheConfig, EngineConfig, KVConfig, SamplingParams as SP, SchedulerConfig
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.lookahead.base import DraftSource
+from oasiskv.lookahead.draft_data import stdlib_prompts
 
 from tests.test_sparse_modes import PROMPTS
 
@@ -110,8 +111,8 @@ def test_shipped_eagle3_head_guesses_the_next_token():
         return out
 
     engine.drafter.propose = recording
-    chats = [[{"role": "user", "content": q}] for q in
-             ("Explain what a hash table is.", "Write a short poem about the sea.")]
+    questions = stdlib_prompts(seed=12345)  # the kind of prompt it was trained on, another draw
+    chats = [[{"role": "user", "content": next(questions)}] for _ in range(2)]
     outs = llm.chat(chats, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)
     tokens = {o.request_id: o.prompt_token_ids + o.outputs[0].token_ids for o in outs}
     judged = [(tokens[rid][pos] == tok) for rid, pos, tok in guesses if pos < len(tokens[rid])]
