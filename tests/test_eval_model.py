@@ -72,7 +72,7 @@ def test_eval_command_end_to_end(tmp_path, capsys):
               "dense,quest", "--tasks", "ppl,copy,niah_single,long_output", "--samples", "1", "--windows", "2",
               "--scored", "8", "--gen-tokens", "8", "--json", str(out_json), "--plot", str(out_png)])
     printed = capsys.readouterr().out
-    assert "quest@128" in printed and "niah_single.score" in printed
+    assert "quest@96" in printed and "niah_single.score" in printed
     results = json.loads(out_json.read_text())["results"]
     dense = {(r["task"], r["metric"]): r["value"] for r in results if r["mode"] == "dense"}
     assert 1 < dense[("ppl", "ppl")] < 100
