@@ -3,7 +3,6 @@ outputs that come from the target alone."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -143,7 +142,7 @@ def test_fetch_cap_holds_for_hundreds_of_steps_and_resident_blocks_equal_the_hos
     gen = torch.Generator().manual_seed(0)
     for i in range(3):
         engine.add_request(torch.randint(0, 256, (150 + 40 * i,), generator=gen).tolist(),
-                           SP(temperature=0.8, seed=i, max_tokens=int(os.environ.get("NTOK", 300)), ignore_eos=True), request_id=str(i))
+                           SP(temperature=0.8, seed=i, max_tokens=300, ignore_eos=True), request_id=str(i))
     engine.step()  # prefill
     bs, steps, new_blocks = engine.block_size, 0, 0
     while engine.has_unfinished():
@@ -160,7 +159,7 @@ def test_fetch_cap_holds_for_hundreds_of_steps_and_resident_blocks_equal_the_hos
         if steps % 50 == 0:
             check_resident_blocks_equal_host(engine)
     stats = engine.stats_dict()
-    assert steps >= int(os.environ.get("NTOK", 300)) and new_blocks > 0
+    assert steps >= 300 and new_blocks > 50
     assert stats["kv_max_prefetched_blocks"] == 1 and stats["kv_prefetched_blocks"] >= new_blocks
     assert stats["kv_prefetch_bytes"] == stats["kv_prefetched_blocks"] * engine.host.chunk_bytes
 

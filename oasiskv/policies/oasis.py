@@ -217,9 +217,14 @@ class OasisPolicy(TieredPolicy):
         best = key.topk(min(self.fetch_cap_blocks, key.shape[1]), dim=1)
         fetch = torch.where(best.values > float("-inf"), prediction.gather(1, best.indices), -1)
         with self.timer("prefetch"):
-            fetched, _ = self.fetch(layer, fetch, self.mask_of(prediction), stream=self.copy_stream)
-            if self.cuda:  # timed from when the copy stream could start (fetch marks it)
-                self.prefetched[layer] = self.clock.close("prefetch", self.copy_started, self.copy_stream)
+            fetched, _, copies = self.place(layer, fetch, self.mask_of(prediction))
+            if not self.cuda:
+                self.copy_from_host(copies)
+            else:  # timed from when the copy stream can start: after the compute it depends on
+                self.copy_stream.wait_stream(torch.cuda.current_stream())
+                start = self.clock.mark(self.copy_stream)
+                self.copy_from_host(copies, self.copy_stream)
+                self.prefetched[layer] = self.clock.close("prefetch", start, self.copy_stream)
         self.count("prefetched_blocks", fetched)
         self.most_prefetched = torch.maximum(self.most_prefetched, fetched.sum(1).max())
 

@@ -142,23 +142,30 @@ class TieredPolicy(SparsePolicy):
         """Makes `wanted` (int32 [B, K], -1 = none) resident, evicting unprotected blocks; copies the
         blocks that were missing (where `only` allows; the others get a slot and no data) from the
         host store, on `stream` if given. Returns (miss mask [B, K], slots [B, K])."""
+        miss, slots, copies = self.place(layer, wanted, protect, only)
+        self.copy_from_host(copies, stream)
+        return miss, slots
+
+    def place(self, layer, wanted, protect, only=None):
+        """The working-set half of fetch: slots for `wanted`, and the copies that fill the missing
+        ones as (layer ids, host blocks, slots) lists with -1 for no copy."""
         miss, slots = self.ws.place(layer, self.rows, wanted, protect, self.step_index)
         copy = miss if only is None else miss & only
         src = torch.where(copy, self.host_tables.gather(1, wanted.clamp(min=0).long()), -1).to(torch.int32)
         dst = torch.where(copy, slots, -1).to(torch.int32)
         src, dst = src.reshape(-1), dst.reshape(-1)
-        layers = torch.full_like(src, layer)
-        if self.cuda:
-            if stream is not None:
-                stream.wait_stream(torch.cuda.current_stream())  # indices, and readers of evicted slots
-                self.copy_started = self.clock.mark(stream) if getattr(self, "clock", None) else None
-                for t in (src, dst, layers):
-                    t.record_stream(stream)
-            gather_host_blocks(self.host.kv, self.pool.kv, layers, src, dst, stream=stream)
-        else:
-            gather_host_blocks_reference(self.host.kv, self.pool.kv, layers, src, dst)
         self.count("fetched_blocks", copy)
-        return miss, slots
+        return miss, slots, (torch.full_like(src, layer), src, dst)
+
+    def copy_from_host(self, copies, stream=None) -> None:
+        if not self.cuda:
+            gather_host_blocks_reference(self.host.kv, self.pool.kv, *copies)
+            return
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())  # the lists, and readers of evicted slots
+            for t in copies:
+                t.record_stream(stream)
+        gather_host_blocks(self.host.kv, self.pool.kv, *copies, stream=stream)
 
     def spill_full_tails(self, layer, fill, tail_slots, tail_host) -> None:
         """A tail block that just filled is written once to the host store; it stays resident. On the
