@@ -28,6 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=SCHED_DEFAULTS.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=SCHED_DEFAULTS.max_num_batched_tokens)
     g.add_argument("--max-model-len", type=int, default=SCHED_DEFAULTS.max_model_len)
+    g.add_argument("--enforce-eager", action="store_true", default=ENGINE_DEFAULTS.enforce_eager,
+                   help="never replay CUDA graphs (on the GPU, decode-only steps replay them by default)")
     k = p.add_argument_group("sparse KV")
     k.add_argument("--kv-mode", default=KV_DEFAULTS.mode, choices=KV_MODES)
     k.add_argument("--kv-budget", type=int, default=KV_DEFAULTS.budget, help="KV tokens per request per layer")
@@ -76,7 +78,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                   local_blocks=args.local_blocks, dense_layers=args.dense_layers, host_kv_gb=args.host_kv_gb,
                   fetch_cap=args.fetch_cap, draft=draft, draft_model=draft_model, miss_policy=args.miss_policy)
     return EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
-                        seed=args.seed, cache=cache, kv=kv, scheduler=sched, show_progress=True)
+                        seed=args.seed, cache=cache, kv=kv, scheduler=sched, show_progress=True,
+                        enforce_eager=args.enforce_eager)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -167,6 +167,7 @@ class EngineConfig:
     kv: KVConfig = field(default_factory=KVConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     show_progress: bool = True
+    enforce_eager: bool = False  # False: decode-only steps on the GPU replay CUDA graphs
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

@@ -10,6 +10,7 @@ import torch
 
 from oasiskv.config import EngineConfig, SamplingParams
 from oasiskv.engine.request import Request
+from oasiskv.engine.cuda_graph import DecodeGraphs
 from oasiskv.engine.runner import ModelRunner
 from oasiskv.engine.sampler import Sampler
 from oasiskv.engine.scheduler import Scheduler
@@ -68,13 +69,16 @@ class LLMEngine:
             gpu_cache = dataclasses.replace(gpu_cache, num_kv_blocks=None)
         gpu_blocks = plan_num_blocks(self.model_config, gpu_cache, self.dtype, self.device,
                                      self.weights_bytes(), self.profile_activation_bytes())
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager
         kv = build_kv(self.model_config, config.cache, config.kv, gpu_blocks, self.max_model_len,
-                      config.scheduler.max_num_seqs, self.dtype, self.device)
+                      config.scheduler.max_num_seqs, self.dtype, self.device, timing=not use_graphs)
         self.pool, self.host, self.policy, self.allocator = kv.pool, kv.host, kv.policy, kv.allocator
         self.kv_description = kv.description
         sched_cfg = dataclasses.replace(config.scheduler, max_num_seqs=kv.max_running)
         self.scheduler = Scheduler(sched_cfg, self.allocator, self.block_size, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.policy, self.block_size, self.device)
+        graphs = DecodeGraphs(self.model, self.policy) if use_graphs else None
+        self.runner = ModelRunner(self.model, self.policy, self.block_size, self.device, graphs,
+                                  max_blocks=-(-self.max_model_len // self.block_size))
         self.drafter = None  # oasis mode: guesses each request's next token for the lookahead
         if self.policy.wants_drafts:
             self.drafter = build_draft_source(config.kv, self.model, self.device, self.dtype, config.model)
@@ -106,7 +110,8 @@ class LLMEngine:
         return int(peak * 1.2) + (256 << 20)
 
     def stats_dict(self) -> dict:
-        return {"kv_mode": self.policy.name, **self.stats.as_dict(), **self.policy.stats()}
+        graphs = self.runner.graphs.counts if self.runner.graphs else {}
+        return {"kv_mode": self.policy.name, **self.stats.as_dict(), **graphs, **self.policy.stats()}
 
     def max_concurrency(self, tokens_per_request: int) -> int:
         """How many requests of this many tokens the KV memory (pool or host store) holds at once."""
