@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from oasiskv.bench.report import print_table, write_json
+from oasiskv.bench.report import print_table, sig, write_json
 from oasiskv.bench.workload import random_prompts
 from oasiskv.config import BenchConfig, CacheConfig
 from oasiskv.engine.engine import pick_device, pick_dtype
@@ -108,10 +108,10 @@ def run(args) -> dict:
     decode_s = total_s - prefill_s
     n_out, n_in = batch * args.output_len, batch * args.input_len
     row = {"mode": "hf-generate-static", "batch": batch, "input_len": args.input_len, "output_len": args.output_len,
-           "elapsed_s": round(total_s, 3), "requests_per_s": round(batch / total_s, 4),
-           "output_tok_s": round(n_out / total_s, 2), "total_tok_s": round((n_in + n_out) / total_s, 2),
-           "prefill_s": round(prefill_s, 3), "mean_tpot_ms": round(1000 * decode_s / (args.output_len - 1), 3),
-           "decode_tok_s": round(batch * (args.output_len - 1) / decode_s, 2)}
+           "elapsed_s": sig(total_s, 6), "requests_per_s": sig(batch / total_s, 6),
+           "output_tok_s": sig(n_out / total_s, 6), "total_tok_s": sig((n_in + n_out) / total_s, 6),
+           "prefill_s": sig(prefill_s, 6), "mean_tpot_ms": sig(1000 * decode_s / (args.output_len - 1), 6),
+           "decode_tok_s": sig(batch * (args.output_len - 1) / decode_s, 6)}
     print_table([row], tuple(row))
     result = {"kind": "hf_reference", "model": args.model, "dtype": str(dtype), "gpu_memory_gb": args.gpu_memory_gb,
               "prompt_seed": args.prompt_seed, "rows": [row]}

@@ -21,7 +21,7 @@ import torch
 from oasiskv.bench.ceilings import host_to_device_gbps, memory_copy_gbps, timed_ms
 from oasiskv.bench.kernel_paged_decode import make_case
 from oasiskv.bench.kernel_tiered import _fill_random_ as fill_random_
-from oasiskv.bench.report import print_table, write_json
+from oasiskv.bench.report import print_table, sig, write_json
 from oasiskv.config import BenchConfig
 from oasiskv.engine.engine import pick_device, pick_dtype
 from oasiskv.kernels.block_select import block_scores, block_scores_reference, select_blocks_padded
@@ -29,11 +29,6 @@ from oasiskv.kernels.host_gather import gather_host_blocks, gather_host_blocks_r
 from oasiskv.kernels.sparse_decode import sparse_decode_attention, sparse_decode_reference
 
 BLOCK = 16
-
-
-def sig(x: float, digits: int = 4) -> float:
-    """x to `digits` significant digits (CPU runs are orders of magnitude below GPU ones)."""
-    return float(f"{x:.{digits}g}")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -157,7 +152,7 @@ def run(args) -> dict:
     batches = [int(b) for b in args.batches.split(",")]
     if args.budget % BLOCK or args.budget < 10 * BLOCK:
         raise SystemExit(f"error: --budget must be a multiple of {BLOCK} of at least {10 * BLOCK} tokens")
-    copy_gbps = memory_copy_gbps(device, 1 << 30 if device.type == "cuda" else 64 << 20)
+    copy_gbps = memory_copy_gbps(device)
     gather = bench_gather(args.host_gib, args.chunks, args.kv_heads, args.head_dim, dtype, device)
     attention = [bench_sparse_attention(b, args.context, args.budget, shapes, dtype, device, copy_gbps)
                  for b in batches]

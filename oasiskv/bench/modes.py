@@ -11,7 +11,7 @@ import torch
 
 from oasiskv.bench import plots
 from oasiskv.bench.ceilings import memory_copy_gbps
-from oasiskv.bench.report import add_ratios, print_cap_table, print_modes_table, print_sweep_table, write_json
+from oasiskv.bench.report import add_ratios, print_cap_table, print_modes_table, print_sweep_table, sig, write_json
 from oasiskv.bench.step_profile import format_profile, profile_step
 from oasiskv.bench.workload import add_roofline, max_concurrency, random_prompts, run_workload, warm_up
 from oasiskv.config import KV_MODES, EngineConfig
@@ -51,7 +51,7 @@ def with_engine(config: EngineConfig, measure):
         raise SystemExit(f"error: {config.kv.mode}: {e}")
     try:
         result = measure(engine)
-        result_info = {"kv": engine.kv_description, "weights_gb": round(engine.weights_bytes() / 1e9, 3)}
+        result_info = {"kv": engine.kv_description, "weights_gb": sig(engine.weights_bytes() / 1e9)}
     finally:
         del engine
         gc.collect()

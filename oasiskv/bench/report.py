@@ -23,8 +23,13 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     for r in rows:
         for key, base in (("output_vs_dense", "output_tok_s"), ("decode_vs_dense", "decode_tok_s")):
             ok = dense and dense.get(base) and r.get(base) is not None
-            r[key] = round(r[base] / dense[base], 3) if ok else None
+            r[key] = sig(r[base] / dense[base]) if ok else None
     return rows
+
+
+def sig(x: float, digits: int = 4) -> float:
+    """x to `digits` significant digits (CPU runs are orders of magnitude below GPU ones)."""
+    return float(f"{x:.{digits}g}")
 
 
 def cell(value) -> str:

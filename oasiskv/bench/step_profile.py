@@ -8,12 +8,13 @@ B requests are prefilled, then `steps` pure decode steps are run three times:
    gather waits, draft, sampling, ...). Each phase's time is exclusive of the phases nested in it; what the
    engine does outside them is "engine loop (Python)". The timers wait only for the compute stream, so the
    copy stream's prefetches stay asynchronous and only their exposed waits are counted.
-The timers wrap methods of this engine's objects for the duration of the profile (instance attributes,
-removed afterwards); a method that a policy lacks is not timed. Work replayed inside a captured CUDA graph
+The timers wrap methods of this engine's objects (instance attributes) and the dense policy's attention
+functions for the duration of the profile, and are removed afterwards; a method a policy lacks is not timed. Work replayed inside a captured CUDA graph
 is not visible to them: profile with graphs off.
 """
 from __future__ import annotations
 
+import importlib
 import time
 from contextlib import contextmanager
 
@@ -42,6 +43,9 @@ PHASES = (
     ("engine", "propose_drafts", "draft: next draft tokens"),
 )
 ROOT = "engine loop (Python)"
+# functions a policy calls by module name: (module, function, phase)
+FUNCTIONS = (("oasiskv.policies.dense", "paged_decode_attention", "attention"),
+             ("oasiskv.policies.dense", "paged_decode_reference", "attention"))
 
 
 class PhaseClock:
@@ -82,11 +86,18 @@ def phase_timers(engine, clock: PhaseClock):
             continue
         setattr(owner, method, clock.wrap(phase, getattr(owner, method)))
         installed.append((owner, method))
+    patched = []
+    for module_name, name, phase in FUNCTIONS:
+        module = importlib.import_module(module_name)
+        patched.append((module, name, getattr(module, name)))
+        setattr(module, name, clock.wrap(phase, getattr(module, name)))
     try:
         yield
     finally:
         for owner, method in installed:
             delattr(owner, method)
+        for module, name, original in patched:
+            setattr(module, name, original)
 
 
 def decode_batch(engine, batch: int, input_len: int, steps: int, seed: int) -> list[str]:

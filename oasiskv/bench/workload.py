@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
+from oasiskv.bench.report import sig
 from oasiskv.config import SamplingParams
 
 KV_COUNTERS = ("kv_bytes_gathered", "kv_prefetch_bytes", "kv_agree_hits", "kv_agree_total", "kv_hits",
@@ -127,14 +128,14 @@ def summarize(engine, done, log: StepLog, elapsed: float, stats0: dict, kv: dict
         "mode": engine.policy.name, "num_prompts": len(done), "concurrency": concurrency,
         "max_concurrency_held": log.max_held, "input_len": len(done[0].prompt_token_ids) if done else 0,
         "output_len": max((len(r.output_token_ids) for r in done), default=0),
-        "elapsed_s": round(elapsed, 3), "requests_per_s": round(len(done) / elapsed, 4),
-        "output_tok_s": round(n_out / elapsed, 2), "total_tok_s": round((n_in + n_out) / elapsed, 2),
+        "elapsed_s": sig(elapsed, 6), "requests_per_s": sig(len(done) / elapsed, 6),
+        "output_tok_s": sig(n_out / elapsed, 6), "total_tok_s": sig((n_in + n_out) / elapsed, 6),
         "mean_ttft_s": round(sum(ttfts) / len(ttfts), 4) if ttfts else None,
         "mean_tpot_ms": round(1000 * sum(tpots) / len(tpots), 3) if tpots else None,
         "preemptions": engine.stats.preemptions - stats0["preemptions"],
         "pure_decode_steps": log.decode_steps,
-        "pcie_gb_per_step": round(kv.get("kv_bytes_gathered", 0) / steps / 1e9, 5),
-        "prefetch_gb_per_step": round(kv["kv_prefetch_bytes"] / steps / 1e9, 5) if "kv_prefetch_bytes" in kv else None,
+        "pcie_gb_per_step": sig(kv.get("kv_bytes_gathered", 0) / steps / 1e9),
+        "prefetch_gb_per_step": sig(kv["kv_prefetch_bytes"] / steps / 1e9) if "kv_prefetch_bytes" in kv else None,
         "hit_rate": ratio(kv.get("kv_hits"), kv.get("kv_selected_blocks")),
         "agreement": ratio(kv.get("kv_agree_hits"), kv.get("kv_agree_total")),
         "prefetch_exposed_ms_per_step": round(1000 * kv["kv_time_prefetch_exposed_s"] / steps, 3)
@@ -149,7 +150,7 @@ def steady_state(log: StepLog) -> dict:
         return {"decode_step_ms": None, "decode_tok_s": None, "hbm_gb_per_step": None}
     return {"decode_step_ms": round(1000 * log.decode_time_s / log.decode_steps, 3),
             "decode_tok_s": round(log.decode_tokens / log.decode_time_s, 2),
-            "hbm_gb_per_step": round(log.hbm_bytes / log.decode_steps / 1e9, 4),
+            "hbm_gb_per_step": sig(log.hbm_bytes / log.decode_steps / 1e9),
             "decode_batch": round(log.decode_tokens / log.decode_steps, 2),
             "_hbm_bytes": log.hbm_bytes, "_decode_time_s": log.decode_time_s, "_decode_tokens": log.decode_tokens}
 
@@ -161,8 +162,8 @@ def add_roofline(row: dict, hbm_gbps: float) -> dict:
     if not secs:
         return row
     floor_s = total / (hbm_gbps * 1e9)
-    row.update(hbm_gbps=round(hbm_gbps, 1), achieved_gbps=round(total / secs / 1e9, 1),
-               roofline_tok_s=round(tokens / floor_s, 1), roofline_fraction=round(floor_s / secs, 4))
+    row.update(hbm_gbps=sig(hbm_gbps), achieved_gbps=sig(total / secs / 1e9),
+               roofline_tok_s=sig(tokens / floor_s), roofline_fraction=sig(floor_s / secs))
     return row
 
 
