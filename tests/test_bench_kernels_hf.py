@@ -9,19 +9,9 @@ import torch
 
 from oasiskv.bench.kernels import selection_case
 from oasiskv.cli import main
+from tests.helpers import write_tiny_config
 
-TINY = {"model_type": "qwen3", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 1024, "tie_word_embeddings": True,
-        "eos_token_id": 2}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_selection_case_picks_sink_local_window_and_distinct_blocks():
@@ -58,9 +48,7 @@ def test_bench_kernels_runs_the_references(tmp_path, capsys):
 
 
 def test_hf_reference_generates_the_workload(tmp_path):
-    model = tmp_path / "tiny"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(TINY))
+    model = write_tiny_config(tmp_path / "tiny", "qwen3")
     out = tmp_path / "hf.json"
     main(["bench", "hf-reference", "--model", str(model), "--device", "cpu", "--input-len", "48", "--output-len", "4",
           "--batch", "2", "--json", str(out)])

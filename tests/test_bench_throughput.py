@@ -6,36 +6,25 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from oasiskv.bench.workload import max_concurrency
 from oasiskv.cli import main
 from oasiskv.config import CacheConfig, EngineConfig, KVConfig, SchedulerConfig
 from oasiskv.engine.engine import LLMEngine
+from tests.helpers import write_tiny_config
 
-TINY = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "max_position_embeddings": 1024, "tie_word_embeddings": True, "eos_token_id": 2}
 IN, OUT = 128, 4
 BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # layers x (K, V) x block x kv heads x head dim x fp32
 WEIGHTS = 4 * (512 * 64 + 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64)  # fp32, tied
 MODES = ("dense", "quest", "retrieval", "oasis")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: one thread is faster, and much faster on a busy machine (no waits on a descheduled peer)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny")
-    (path / "config.json").write_text(json.dumps(TINY))
-    return str(path)
+    return write_tiny_config(tmp_path_factory.mktemp("tiny"))
 
 
 def bench(tiny: str, *extra: str) -> None:
