@@ -90,15 +90,16 @@ def run_modes(args, config: EngineConfig) -> dict:
     for mode in modes:
         row, info = with_engine(mode_config(config, mode), lambda e: measure_mode(e, args, hbm))
         rows.append({**row, **info})
-    rows = add_ratios(earlier_rows(args.compare_to, modes) + rows)
+    rows = add_ratios(earlier_rows(args.compare_to, "modes", "mode", modes) + rows)
     print_modes_table(rows)
     result = {"kind": "modes", "hbm_gbps": round(hbm, 1), "rows": rows}
     finish(args, config, result, plots.plot_modes)
     return result
 
 
-def earlier_rows(path: str | None, modes: list[str]) -> list[dict]:
-    """Rows of an earlier --modes run (--compare-to), for the modes this run does not measure."""
+def earlier_rows(path: str | None, kind: str, key: str, present: list) -> list[dict]:
+    """Rows of an earlier run of the same kind (--compare-to) whose `key` (mode, fetch cap) this run does
+    not measure: a benchmark split over several invocations joins into one table, JSON and plot."""
     if not path:
         return []
     try:
@@ -106,9 +107,9 @@ def earlier_rows(path: str | None, modes: list[str]) -> list[dict]:
             earlier = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise SystemExit(f"error: cannot read --compare-to {path}: {e}")
-    if earlier.get("kind") != "modes":
-        raise SystemExit(f"error: --compare-to {path} is not the JSON of a --modes run")
-    return [{**r, "from": path} for r in earlier["rows"] if r["mode"] not in modes]
+    if earlier.get("kind") != kind:
+        raise SystemExit(f"error: --compare-to {path} holds a {earlier.get('kind')!r} run, not {kind!r}")
+    return [{**r, "from": path} for r in earlier["rows"] if r[key] not in present]
 
 
 def run_concurrency_sweep(args, config: EngineConfig) -> dict:
@@ -116,8 +117,9 @@ def run_concurrency_sweep(args, config: EngineConfig) -> dict:
     and the most it holds is measured too (where it saturates)."""
     levels = parse_list(args.sweep_concurrency, int, "--sweep-concurrency")
     hbm = hbm_ceiling(args, config)
-    rows = []
-    for mode in parse_modes(args.modes or config.kv.mode):
+    modes = parse_modes(args.modes or config.kv.mode)
+    rows = earlier_rows(args.compare_to, "concurrency_sweep", "mode", modes)
+    for mode in modes:
         points, info = with_engine(mode_config(config, mode), lambda e: sweep_points(e, args, hbm, levels))
         rows += [{**p, **info} for p in points]
     print_sweep_table(rows)
@@ -140,7 +142,7 @@ def run_fetch_cap_sweep(args, config: EngineConfig) -> dict:
     """Oasis at each fetch cap: PCIe traffic per step, throughput and agreement (the paper's ablation)."""
     caps = parse_list(args.sweep_fetch_cap, float, "--sweep-fetch-cap")
     hbm = hbm_ceiling(args, config)
-    rows = []
+    rows = earlier_rows(args.compare_to, "fetch_cap_sweep", "fetch_cap", caps)
     for cap in caps:
         row, info = with_engine(mode_config(config, "oasis", fetch_cap=cap), lambda e: measure_mode(e, args, hbm))
         rows.append({"fetch_cap": cap, **row, **info})

@@ -47,6 +47,7 @@ def plot_concurrency(result: dict, path: str) -> None:
         axes[0].plot(xs, [r["output_tok_s"] for r in pts], marker="o", label=mode)
         axes[1].plot(xs, [r.get("decode_tok_s") or 0 for r in pts], marker="o", label=mode)
     for ax, what in zip(axes, ("output tok/s (whole run, prefill included)", "decode tok/s (pure decode steps)")):
+        ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent requests")
         ax.set_ylabel(what)
         ax.grid(alpha=0.3)

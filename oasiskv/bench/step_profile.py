@@ -101,9 +101,11 @@ def phase_timers(engine, clock: PhaseClock):
 
 
 def decode_batch(engine, batch: int, input_len: int, steps: int, seed: int) -> list[str]:
-    """Adds `batch` requests and steps until every one of them is decoding. Returns their ids."""
+    """Adds `batch` requests (fewer if their longer outputs do not fit) and steps until every one of them is
+    decoding. Returns their ids."""
     prefill_steps = batch + -(-batch * input_len // engine.scheduler.cfg.max_num_batched_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=prefill_steps + 3 * steps + 4, ignore_eos=True)
+    batch = min(batch, engine.max_concurrency(input_len + params.max_tokens))
     ids = [engine.add_request(p, params) for p in random_prompts(batch, input_len, engine.model_config.vocab_size, seed)]
     while any(not engine.requests[i].output_token_ids for i in ids):
         engine.step()
@@ -149,7 +151,7 @@ def profile_step(engine, batch: int, input_len: int, steps: int, seed: int = 0) 
         engine.abort(i)
         engine.pop_finished(i)
     phases = {k: round(1000 * v / steps, 3) for k, v in sorted(clock.totals.items(), key=lambda kv: -kv[1])}
-    return {"batch": batch, "steps": steps, "step_ms": round(wall, 3),
+    return {"batch": len(ids), "steps": steps, "step_ms": round(wall, 3),
             "gpu_kernel_ms": None if kernels is None else round(kernels, 3),
             "host_gap_ms": None if kernels is None else round(wall - kernels, 3),
             "synced_step_ms": round(synced, 3), "phases_ms": phases}

@@ -43,8 +43,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--sweep-concurrency", default=None, help="e.g. 1,8,16,32,64: throughput against concurrency "
                                                               "for each of --modes (or --kv-mode)")
     m.add_argument("--sweep-fetch-cap", default=None, help="e.g. 0.01,0.02,0.05,0.1,1: oasis at each fetch cap")
-    m.add_argument("--compare-to", default=None, help="JSON of an earlier --modes run: its other modes join the "
-                                                      "table and the ratios to dense")
+    m.add_argument("--compare-to", default=None, help="JSON of an earlier run of the same kind: its other modes "
+                                                      "(fetch caps) join the table, the ratios to dense and the plot")
     m.add_argument("--profile-step", action="store_true",
                    help="per-phase breakdown of a decode step at each mode's concurrency (synchronising timers)")
     m.add_argument("--profile-steps", type=int, default=d.profile_steps)
