@@ -29,6 +29,7 @@ from oasiskv.kernels.host_gather import gather_host_blocks, gather_host_blocks_r
 from oasiskv.kernels.sparse_decode import sparse_decode_attention, sparse_decode_reference
 
 BLOCK = 16
+REL_ERR_LIMIT = 2e-2  # bf16 inputs and output against the fp32 reference
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -113,6 +114,7 @@ def bench_sparse_attention(batch: int, context: int, budget: int, shapes: dict, 
     nbytes = per_launch + 2 * args[0].nbytes
     ms = timed_ms(lambda: attend(*args), device)
     row = {"batch": batch, "context": context, "selected_blocks": n_sel, "bytes": nbytes, "rel_err": rel_err,
+           "correct": bool(rel_err < REL_ERR_LIMIT and torch.isfinite(out).all()),
            "eager_us": sig(1000 * ms), "eager_gbps": sig(nbytes / ms / 1e6),
            "eager_vs_copy": sig(nbytes / ms / 1e6 / copy_gbps)}
     if device.type == "cuda":
@@ -173,6 +175,6 @@ def print_kernels(r: dict) -> None:
           f"({g['contiguous_h2d_gbps']:.4g} GB/s); correct={g['correct']}")
     print("\nsparse decode attention (GB/s of the selected K/V, against the memory copy):")
     print_table(r["sparse_attention"], ("batch", "selected_blocks", "eager_us", "eager_gbps", "eager_vs_copy",
-                                        "graph_us", "graph_gbps", "graph_vs_copy", "rel_err"))
+                                        "graph_us", "graph_gbps", "graph_vs_copy", "rel_err", "correct"))
     print("\nscoring + top-k selection:")
     print_table(r["scoring"], ("batch", "blocks", "score_select_us_per_layer", "score_select_ms_per_step"))

@@ -11,7 +11,7 @@ agreement.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
@@ -74,7 +74,6 @@ class StepLog:
     hbm_bytes: int = 0  # weights + KV the pure decode steps must read
     steps_with_decodes: int = 0
     max_held: int = 0  # most requests decoding in one step
-    times: list = field(default_factory=list)
 
 
 def run_workload(engine, prompts: list[list[int]], output_len: int, concurrency: int, desc: str = "") -> dict:
