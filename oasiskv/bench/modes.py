@@ -57,6 +57,8 @@ def with_engine(config: EngineConfig, measure):
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+            print(f"{config.kv.mode} engine freed: {torch.cuda.memory_allocated() / 2**30:.2f} GiB of GPU memory "
+                  "still allocated")
     return result, result_info
 
 
