@@ -168,6 +168,18 @@ def cmd_bench_throughput(args) -> None:
     run_from_args(args, engine_config(args))
 
 
+def cmd_bench_kernels(args) -> None:
+    from oasiskv.bench.kernels import run
+
+    run(args)
+
+
+def cmd_bench_hf_reference(args) -> None:
+    from oasiskv.bench.hf_reference import run
+
+    run(args)
+
+
 def cmd_bench_serve(args) -> None:
     from oasiskv.bench.serve import main as bench_serve_main
 
@@ -203,10 +215,13 @@ def add_serve_parser(sub) -> None:
 
 
 def add_bench_parser(sub) -> None:
+    from oasiskv.bench.hf_reference import add_args as add_hf_reference_args
+    from oasiskv.bench.kernels import add_args as add_kernels_args
     from oasiskv.bench.serve import add_args as add_bench_serve_args
     from oasiskv.bench.throughput import add_bench_args
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput (engine, offline) | serve (a running server)")
+    bench = sub.add_parser("bench", help="benchmarks: throughput (engine, offline) | serve (a running server) | "
+                                         "kernels | hf-reference")
     kinds = bench.add_subparsers(dest="bench", required=True)
     throughput = kinds.add_parser("throughput", help="decode throughput at a given context length")
     add_bench_args(throughput)
@@ -215,6 +230,12 @@ def add_bench_parser(sub) -> None:
     serve = kinds.add_parser("serve", help="latency and throughput of an OpenAI-compatible server, like vllm bench serve")
     add_bench_serve_args(serve)
     serve.set_defaults(func=cmd_bench_serve)
+    kernels = kinds.add_parser("kernels", help="gather, sparse attention and scoring against the copy ceilings")
+    add_kernels_args(kernels)
+    kernels.set_defaults(func=cmd_bench_kernels)
+    hf = kinds.add_parser("hf-reference", help="transformers' generate with a static cache on the same workload")
+    add_hf_reference_args(hf)
+    hf.set_defaults(func=cmd_bench_hf_reference)
 
 
 def parser() -> argparse.ArgumentParser:
