@@ -100,7 +100,7 @@ class SparsePolicy(KVPolicy):
         scores = score(q, self.summaries.layer(layer), score_tables, nblocks.to(torch.int32))
         counts, padded = select_blocks_padded(scores, nblocks.to(torch.int32), self.budget_blocks,
                                               self.cfg.sink_blocks, self.cfg.local_blocks)
-        indptr, indices = padded_to_csr(counts, padded)
+        indptr, indices = padded_to_csr(padded)
         self.selected_on_device += counts.sum()  # summed on the device: no sync per layer
         return counts, padded, indptr, indices
 
@@ -118,16 +118,17 @@ class SparsePolicy(KVPolicy):
         return attend(q, kv_layer, tables, indptr, indices, meta.decode_seq_lens, self.scale)
 
 
-def padded_to_csr(counts: torch.Tensor, padded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, K] rows of ids with -1 padding -> CSR (indptr [B+1], indices [B*K]; entries past indptr[-1]
-    are unused). No host sync."""
+def padded_to_csr(padded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, K] rows of ids, -1 = none (anywhere in a row) -> CSR (indptr [B+1], indices [B*K] holding
+    each row's ids in their order; entries past indptr[-1] are unused). No host sync, no sort."""
     b, k = padded.shape
+    valid = padded >= 0
     indptr = torch.zeros(b + 1, dtype=torch.int32, device=padded.device)
-    indptr[1:] = torch.cumsum(counts, 0)
-    j = torch.arange(k, device=padded.device)[None, :]
-    dst = torch.where(j < counts[:, None].long(), indptr[:-1, None].long() + j, b * k)
+    indptr[1:] = torch.cumsum(valid.sum(1), 0)
+    position = torch.cumsum(valid, 1) - 1  # of each valid id within its row
+    dst = torch.where(valid, indptr[:-1, None].long() + position, b * k)
     flat = torch.zeros(b * k + 1, dtype=torch.int32, device=padded.device)
-    flat.scatter_(0, dst.reshape(-1), padded.reshape(-1))
+    flat.scatter_(0, dst.reshape(-1), padded.reshape(-1).to(torch.int32))
     return indptr, flat[: b * k]
 
 
