@@ -84,9 +84,9 @@ class KVExporter:
 
     def stats(self) -> dict:
         held = sum(len(e.block_ids) for e in self.exports.values())
-        return {"disagg_exported_requests": len(self.exports), "disagg_exported_kv_bytes": held * self.host.kv[:, 0].numel()
-                * self.host.kv.element_size(), "disagg_released_requests": self.released,
-                "disagg_expired_requests": self.expired}
+        block_bytes = self.host.kv[:, 0].numel() * self.host.kv.element_size()
+        return {"disagg_requests_held": len(self.exports), "disagg_kv_bytes_held": held * block_bytes,
+                "disagg_released_requests": self.released, "disagg_expired_requests": self.expired}
 
 
 class PrefillEngine(LLMEngine):

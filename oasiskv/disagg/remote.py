@@ -149,8 +149,8 @@ class RemoteKV:
 
     def stats(self) -> dict:
         return {"kv_remote_bytes": self.remote_bytes,
-                "kv_local_host_bytes_used": self.chunks.entries_used * self.chunks.chunk_bytes,
-                "kv_remote_requests": len(self.requests)}
+                "kv_local_host_bytes_held": self.chunks.entries_used * self.chunks.chunk_bytes,
+                "kv_remote_requests_held": len(self.requests)}
 
 
 class RemoteOasisPolicy(OasisPolicy):
