@@ -5,6 +5,8 @@ decode instance reports the request done (a NIXL notification) or the release ti
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
 from dataclasses import dataclass
 
@@ -17,6 +19,7 @@ from oasiskv.kv.host_store import register_pinned
 
 log = logging.getLogger("oasiskv.disagg")
 RELEASE = b"release:"
+PROGRESS_S = 0.0005  # how often the prefill's agent progresses (serves reads, takes notifications)
 
 
 def layout_of(engine: LLMEngine) -> dict:
@@ -43,15 +46,30 @@ class KVExporter:
             register_pinned(self.mirror)
         agent.register(self.host.kv)
         agent.register(self.mirror)
+        self.metadata = agent.metadata()
         self.wanted: set[str] = set()  # requests to export once their first token is sampled
         self.exports: dict[str, Export] = {}
         self.released = self.expired = 0
+        self.releases: queue.SimpleQueue[str] = queue.SimpleQueue()  # from the progress thread
+        self.stopping = threading.Event()
+        threading.Thread(target=self.progress, name="oasiskv-nixl-progress", daemon=True).start()
+
+    def progress(self) -> None:
+        """The agent's own thread (nothing else touches it after set-up): serves the decode
+        instances' reads and queues the releases they report."""
+        while not self.stopping.wait(PROGRESS_S):
+            for message in self.agent.progress():
+                if message.startswith(RELEASE):
+                    self.releases.put(message[len(RELEASE):].decode())
+
+    def close(self) -> None:
+        self.stopping.set()
 
     def export(self, request_id: str, block_ids: list[int], num_tokens: int, first_token: int) -> None:
         index = torch.tensor(block_ids, dtype=torch.long, device=self.summaries.device)
         self.mirror[:, index.cpu()] = self.summaries[:, index].cpu()
         kv, mirror = self.host.kv, self.mirror
-        params = {"remote_agent": self.agent.name, "remote_metadata": self.agent.metadata(),
+        params = {"remote_agent": self.agent.name, "remote_metadata": self.metadata,
                   "remote_request_id": request_id, "remote_block_ids": block_ids, "num_tokens": num_tokens,
                   "first_token_id": first_token, "layout": layout_of(self.engine),
                   "kv_addr": kv.data_ptr(), "kv_layer_bytes": kv.stride(0) * kv.element_size(),
@@ -72,9 +90,8 @@ class KVExporter:
 
     def tick(self) -> None:
         """On the engine thread: frees what decode reported done and what timed out."""
-        for message in self.agent.notifications():
-            if message.startswith(RELEASE):
-                self.release(message[len(RELEASE):].decode())
+        while not self.releases.empty():
+            self.release(self.releases.get())
         now = time.monotonic()
         for rid in [r for r, e in self.exports.items() if e.deadline < now]:
             log.warning("request %s: decode never reported it done; its KV is freed after %.0f s", rid,

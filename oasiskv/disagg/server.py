@@ -48,6 +48,7 @@ class PrefillRole:
 
     def stop(self) -> None:
         self.stopping.set()
+        self.exporter.close()
         if self.thread is not None:
             self.thread.join(timeout=5)
 

@@ -3,7 +3,12 @@ lists from a remote agent, and short notifications (the decode tells the prefill
 
 Agents learn each other from metadata (a few hundred bytes) carried in the requests' kv_transfer_params,
 so no side channel is needed. Each process gets a fresh agent name: a restarted prefill instance is a
-new agent, and reads addressed to the old one fail with RemoteKVError."""
+new agent, and reads addressed to the old one fail with RemoteKVError.
+
+NIXL's own progress thread spins (a whole core per agent, measured), so it is off: the reader
+progresses while it waits for its reads, and the side that is read from calls `progress` from a
+thread of its own (over TCP a remote READ completes only while its target progresses; over RDMA or
+shared memory it needs nothing from the target)."""
 from __future__ import annotations
 
 import base64
@@ -34,7 +39,7 @@ class KVAgent:
     def __init__(self, role: str):
         nixl = load_nixl()
         self.name = f"oasiskv-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.agent = nixl.nixl_agent(self.name, nixl.nixl_agent_config(backends=["UCX"]))
+        self.agent = nixl.nixl_agent(self.name, nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self.remotes: set[str] = set()
         self.bytes_read = 0
 
@@ -50,7 +55,9 @@ class KVAgent:
     def metadata(self) -> str:
         return base64.b64encode(self.agent.get_agent_metadata()).decode()
 
-    def notifications(self) -> list[bytes]:
+    def progress(self) -> list[bytes]:
+        """Drives the agent's transfers (the remote reads of this side's memory); returns the
+        notifications that arrived."""
         return [m for msgs in self.agent.get_new_notifs().values() for m in msgs]
 
     # -- a remote agent ---------------------------------------------------------------------------------
@@ -99,6 +106,7 @@ class KVAgent:
         if name in self.remotes:
             try:
                 self.agent.send_notif(name, message)
+                self.progress()  # flushes it now: an idle decode may not progress again for a while
             except Exception as e:  # the remote is gone: its timeout frees what it held
                 log.warning("notifying %s failed: %s", name, e)
 
