@@ -80,13 +80,25 @@ def test_batched_remote_decode_equals_single_instance(config):
     assert prefill.exporter.released == 3 and prefill.allocator.num_free == prefill.allocator.num_blocks
 
 
-def test_prefill_frees_unclaimed_kv_after_its_timeout(config):
-    prefill = PrefillEngine(config, DisaggConfig(role="prefill", release_timeout_s=0.05))
-    prefilled(prefill, "p", prompts(1)[0])
-    assert prefill.allocator.num_free < prefill.allocator.num_blocks  # held for the decode instance
-    time.sleep(0.1)
-    prefill.exporter.tick()
-    assert prefill.exporter.expired == 1 and prefill.allocator.num_free == prefill.allocator.num_blocks
+def test_prefill_lease_runs_out_without_word_and_is_renewed_while_decoding(config):
+    kept, orphan = prompts(2)
+    prefill = PrefillEngine(config, DisaggConfig(role="prefill", release_timeout_s=2.0))
+    decode = DecodeEngine(config, DisaggConfig(role="decode"))
+    long = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+    decode.add_request(kept, long, "d", kv_transfer_params=prefilled(prefill, "kept", kept))
+    prefilled(prefill, "orphan", orphan)  # no decode instance ever claims it
+    start = time.monotonic()
+    while time.monotonic() - start < 4.5:  # well past the lease: decode's keep-alives renew it
+        decode.step()
+        prefill.exporter.tick()
+        time.sleep(0.02)
+    assert decode.has_unfinished() and list(prefill.exporter.exports) == ["kept"] and prefill.exporter.expired == 1
+    decode.abort("d")
+    deadline = time.time() + 10
+    while prefill.exporter.exports and time.time() < deadline:
+        prefill.exporter.tick()
+        time.sleep(0.05)
+    assert prefill.exporter.released == 1 and prefill.allocator.num_free == prefill.allocator.num_blocks
 
 
 def test_a_lost_prefill_fails_only_its_requests(config):
@@ -113,6 +125,8 @@ def test_bad_kv_transfer_params_are_refused(config):
     params = prefilled(prefill, "p", ids)
     with pytest.raises(ValueError, match="KV layout"):
         decode.add_request(ids, GREEDY, "x", kv_transfer_params={**params, "layout": {**params["layout"], "head_dim": 8}})
+    with pytest.raises(ValueError, match="lease"):
+        decode.add_request(ids, GREEDY, "w", kv_transfer_params={**params, "lease_deadline": time.time() - 1})
     with pytest.raises(ValueError, match="prompt tokens"):
         decode.add_request(ids[:-1], GREEDY, "y", kv_transfer_params=params)
     with pytest.raises(ValueError, match="max_tokens 1"):

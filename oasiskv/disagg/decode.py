@@ -73,6 +73,7 @@ class DecodeEngine(LLMEngine):
     # -- the loop ------------------------------------------------------------------------------------------
     def step(self):
         before = {rid: len(r.output_token_ids) for rid, r in self.requests.items()}
+        self.remote.keep_alive()
         finished = super().step()
         for req in list(self.scheduler.waiting):
             if req.num_computed_tokens == 0:  # preempted: its prompt KV cannot be recomputed here

@@ -1,9 +1,12 @@
 """Prefill side. A request sent with kv_transfer_params {"do_remote_decode": true} runs its prompt and
 samples the first token as usual; then, instead of freeing its KV blocks, PrefillEngine hands them to
 the KVExporter, which keeps them (and a host copy of their summaries) registered with NIXL until the
-decode instance reports the request done (a NIXL notification) or the release timeout passes."""
+decode instance reports the request done (a NIXL notification), or until its lease runs out: the
+release timeout, renewed by the decode's keep-alive notifications while it decodes (reads are
+one-sided: the prefill never sees them, so silence is the only sign of a dead decode)."""
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
@@ -18,7 +21,7 @@ from oasiskv.engine.engine import LLMEngine
 from oasiskv.kv.host_store import register_pinned
 
 log = logging.getLogger("oasiskv.disagg")
-RELEASE = b"release:"
+RELEASE, KEEP = b"release:", b"keep:"
 PROGRESS_S = 0.0005  # how often the prefill's agent progresses (serves reads, takes notifications)
 
 
@@ -50,20 +53,22 @@ class KVExporter:
         self.wanted: set[str] = set()  # requests to export once their first token is sampled
         self.exports: dict[str, Export] = {}
         self.released = self.expired = 0
-        self.releases: queue.SimpleQueue[str] = queue.SimpleQueue()  # from the progress thread
+        self.messages: queue.SimpleQueue[bytes] = queue.SimpleQueue()  # from the progress thread
         self.stopping = threading.Event()
-        threading.Thread(target=self.progress, name="oasiskv-nixl-progress", daemon=True).start()
+        self.poller = threading.Thread(target=self.progress, name="oasiskv-nixl-progress", daemon=True)
+        self.poller.start()
+        atexit.register(self.close)  # a thread still inside NIXL at interpreter exit aborts the process
 
     def progress(self) -> None:
         """The agent's own thread (nothing else touches it after set-up): serves the decode
-        instances' reads and queues the releases they report."""
+        instances' reads and queues their notifications for the engine thread."""
         while not self.stopping.wait(PROGRESS_S):
             for message in self.agent.progress():
-                if message.startswith(RELEASE):
-                    self.releases.put(message[len(RELEASE):].decode())
+                self.messages.put(message)
 
     def close(self) -> None:
         self.stopping.set()
+        self.poller.join(timeout=5)
 
     def export(self, request_id: str, block_ids: list[int], num_tokens: int, first_token: int) -> None:
         index = torch.tensor(block_ids, dtype=torch.long, device=self.summaries.device)
@@ -72,6 +77,7 @@ class KVExporter:
         params = {"remote_agent": self.agent.name, "remote_metadata": self.metadata,
                   "remote_request_id": request_id, "remote_block_ids": block_ids, "num_tokens": num_tokens,
                   "first_token_id": first_token, "layout": layout_of(self.engine),
+                  "lease_s": self.cfg.release_timeout_s, "lease_deadline": time.time() + self.cfg.release_timeout_s,
                   "kv_addr": kv.data_ptr(), "kv_layer_bytes": kv.stride(0) * kv.element_size(),
                   "kv_block_bytes": kv.stride(1) * kv.element_size(),
                   "summary_addr": mirror.data_ptr(), "summary_layer_bytes": mirror.stride(0) * mirror.element_size(),
@@ -82,22 +88,26 @@ class KVExporter:
         export = self.exports.get(request_id)
         return None if export is None else export.params
 
-    def release(self, request_id: str) -> None:
+    def release(self, request_id: str, expired: bool = False) -> None:
         export = self.exports.pop(request_id, None)
         if export is not None:
             self.engine.allocator.free(export.block_ids)
-            self.released += 1
+            self.expired += expired
+            self.released += not expired
 
     def tick(self) -> None:
-        """On the engine thread: frees what decode reported done and what timed out."""
-        while not self.releases.empty():
-            self.release(self.releases.get())
+        """On the engine thread: frees what decode reported done and what timed out; renews leases."""
+        while not self.messages.empty():
+            message = self.messages.get()
+            if message.startswith(RELEASE):
+                self.release(message[len(RELEASE):].decode())
+            elif message.startswith(KEEP) and message[len(KEEP):].decode() in self.exports:
+                self.exports[message[len(KEEP):].decode()].deadline = time.monotonic() + self.cfg.release_timeout_s
         now = time.monotonic()
         for rid in [r for r, e in self.exports.items() if e.deadline < now]:
-            log.warning("request %s: decode never reported it done; its KV is freed after %.0f s", rid,
+            log.warning("request %s: no word from its decode instance for %.0f s; its KV is freed", rid,
                         self.cfg.release_timeout_s)
-            self.release(rid)
-            self.expired += 1
+            self.release(rid, expired=True)
 
     def stats(self) -> dict:
         held = sum(len(e.block_ids) for e in self.exports.values())

@@ -22,6 +22,7 @@ class LocalChunks:
         self.owned: dict[tuple[int, int], int] = {}  # (layer, block) -> entry
         self.owned_by: dict[str, list[tuple[int, int]]] = defaultdict(list)
         self.cached: dict[str, list[OrderedDict[int, int]]] = {}  # request -> per layer: block -> entry
+        self.grown: set[tuple[str, int]] = set()  # (request, layer) caches that may be over their bound
         self.held: dict[str, int] = defaultdict(int)  # entries per request
         self.peak: dict[str, int] = defaultdict(int)
 
@@ -82,15 +83,17 @@ class LocalChunks:
     def add_cached(self, request_id: str, layer: int, block: int) -> int:
         entry = self._take(request_id, layer)
         self._layers(request_id)[layer][block] = entry
+        self.grown.add((request_id, layer))
         return entry
 
     def trim(self) -> None:
         """Back to at most cache_blocks cached entries per request and layer (call once the copies that
         read them are done)."""
-        for rid, layers in self.cached.items():
-            for layer, cache in enumerate(layers):
-                while len(cache) > self.cache_blocks:
-                    self._give(rid, layer, cache.popitem(last=False)[1])
+        for rid, layer in self.grown:
+            cache = self.cached.get(rid, [{}] * len(self.free))[layer]
+            while len(cache) > self.cache_blocks:
+                self._give(rid, layer, cache.popitem(last=False)[1])
+        self.grown.clear()
 
     def release(self, request_id: str) -> int:
         """Frees every entry of the request; returns the most entries it held at once."""

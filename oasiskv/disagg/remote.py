@@ -12,6 +12,7 @@ gather is waited for before cached chunks may be reused: correct, not yet overla
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from oasiskv.config import DisaggConfig
-from oasiskv.disagg.export import RELEASE
+from oasiskv.disagg.export import KEEP, RELEASE
 from oasiskv.disagg.local import LocalChunks
 from oasiskv.disagg.transfer import KVAgent, RemoteKVError
 from oasiskv.kv.summaries import BlockSummaries
@@ -37,6 +38,8 @@ class RemoteRequest:
     kv_layer_bytes: int
     kv_block_bytes: int
     remote_of: dict[int, int]  # local logical block -> block id in the prefill's host store
+    lease_s: float  # the prefill frees the KV after this long without a word from us
+    renewed: float = 0.0  # monotonic time of our last word
 
 
 class RemoteKV:
@@ -54,13 +57,16 @@ class RemoteKV:
     def attach(self, request_id: str, params: dict, local_blocks: list[int], summaries: BlockSummaries) -> None:
         """Connects to the request's prefill instance and reads its prompt blocks' summaries into ours."""
         remote_blocks = [int(b) for b in params["remote_block_ids"]]
+        if time.time() > float(params["lease_deadline"]):
+            raise ValueError("the prefill instance's lease on this request's KV has run out (--kv-release-timeout)")
         if len(remote_blocks) != len(local_blocks):
             raise ValueError(f"kv_transfer_params list {len(remote_blocks)} blocks for {len(local_blocks)} here")
         self.agent.connect(params["remote_agent"], params["remote_metadata"])
         self.read_summaries(params, remote_blocks, local_blocks, summaries)
         self.requests[request_id] = RemoteRequest(params["remote_agent"], params["remote_request_id"],
                                                   int(params["kv_addr"]), int(params["kv_layer_bytes"]),
-                                                  int(params["kv_block_bytes"]), dict(zip(local_blocks, remote_blocks)))
+                                                  int(params["kv_block_bytes"]), dict(zip(local_blocks, remote_blocks)),
+                                                  float(params["lease_s"]), time.monotonic())
         self.owner.update((b, request_id) for b in local_blocks)
 
     def read_summaries(self, params, remote_blocks, local_blocks, summaries: BlockSummaries) -> None:
@@ -134,6 +140,14 @@ class RemoteKV:
             if r.agent == agent:
                 self.failed.setdefault(rid, f"the prefill instance holding this request's KV is gone ({message})")
 
+    def keep_alive(self) -> None:
+        """Renews the prefill's lease of every request past a third of it."""
+        now = time.monotonic()
+        for rid, r in self.requests.items():
+            if now - r.renewed > r.lease_s / 3 and rid not in self.failed:
+                self.agent.notify(r.agent, KEEP + r.remote_request_id.encode())
+                r.renewed = now
+
     # -- the request ends ---------------------------------------------------------------------------------
     def release(self, request_id: str) -> None:
         r = self.requests.pop(request_id, None)
@@ -160,6 +174,8 @@ class RemoteOasisPolicy(OasisPolicy):
 
     def copy_from_host(self, copies, stream=None) -> None:
         layers, blocks, slots = copies
+        if self.cuda:  # host entries freed earlier may still be read or written by queued copies
+            torch.cuda.synchronize()
         super().copy_from_host((layers, self.remote.localize(layers, blocks), slots), stream)
         if self.cuda:  # cached chunks are reused only after the gather has read them
             (stream or torch.cuda.current_stream()).synchronize()

@@ -3,6 +3,7 @@ plus what each role adds to it (ServerState.disagg): the prefill's release ticke
 kv_transfer_params in responses, the decode's transfer statistics in the response usage."""
 from __future__ import annotations
 
+import logging
 import threading
 
 from oasiskv.config import DisaggConfig, EngineConfig
@@ -15,6 +16,11 @@ def build_engine(config: EngineConfig, disagg: DisaggConfig):
     from oasiskv.engine.engine import LLMEngine
 
     disagg.validate()
+    if disagg.role is not None:  # per-request transfer statistics and lost prefills go to stderr
+        log = logging.getLogger("oasiskv.disagg")
+        log.setLevel(logging.INFO)
+        if not log.handlers:
+            log.addHandler(logging.StreamHandler())
     if disagg.role == "prefill":
         from oasiskv.disagg.export import PrefillEngine
 

@@ -50,6 +50,9 @@ class GenerationJob:
                            param="kv_transfer_params")
         if state.disagg is not None and body.n != 1:
             raise APIError("a prefill or decode instance takes n = 1 only", param="n")
+        if state.disagg is not None and state.disagg.name == "prefill" and body.stream and body.kv_transfer_params:
+            raise APIError("a prefill for remote decode cannot stream: its kv_transfer_params come in the JSON "
+                           "response", param="stream")
         self.body, self.state = body, state
         self.id, self.created = new_id(self.id_prefix), now()
         self.params: list[SamplingParams] = []
