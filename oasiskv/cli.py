@@ -214,7 +214,8 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--remote-cache-blocks", type=int, default=DISAGG_DEFAULTS.remote_cache_blocks,
                    help="decode: remote blocks kept in local host memory per request and layer after a fetch")
     d.add_argument("--local-kv-blocks", type=int, default=DISAGG_DEFAULTS.local_kv_blocks,
-                   help="decode: local host KV blocks (spilled tails and cached remote blocks); default: host sizing")
+                   help="decode: local host KV blocks (spilled tails and cached remote blocks); default: as many as "
+                        "--host-kv-gb, which on a decode instance sizes the block ids (the prompts' KV it can address)")
 
 
 def disagg_config(args: argparse.Namespace) -> DisaggConfig:

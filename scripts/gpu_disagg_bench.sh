@@ -8,7 +8,9 @@ set -u
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 MODEL=${MODEL:-qwen3-8b}; CTX=${CTX:-16384}; OUTLEN=${OUTLEN:-64}; NUM=${NUM:-32}; CONC=${CONC:-16}
-GPU_GB=${GPU_GB:-60}; PREFILL_HOST_GB=${PREFILL_HOST_GB:-48}; DECODE_HOST_GB=${DECODE_HOST_GB:-24}
+# the decode's --host-kv-gb sizes its logical block ids (and their summaries on the GPU) like the prefill's store;
+# its real host memory is LOCAL_BLOCKS blocks (qwen3-8b bf16: 2.25 MiB per block of all layers, 6800 = 15 GiB)
+GPU_GB=${GPU_GB:-60}; PREFILL_HOST_GB=${PREFILL_HOST_GB:-48}; LOCAL_BLOCKS=${LOCAL_BLOCKS:-6800}
 SINGLE_HOST_GB=${SINGLE_HOST_GB:-64}; OUT=${OUT:-results/disagg}; EXTRA=${EXTRA:-}
 mkdir -p "$OUT"
 MODEL_ARGS=${MODEL_ARGS:-"--model $MODEL --load-format dummy"}  # a CPU dry run: MODEL_ARGS="" (SmolLM2)
@@ -39,6 +41,7 @@ bench() {  # bench NAME PORT: the serving benchmark against one endpoint, then i
 }
 
 nvidia-smi --query-gpu=name,memory.total --format=csv 2> /dev/null
+echo "UCX_TLS=${UCX_TLS:-<UCX default>}"
 
 echo "== dense, one instance"
 start dense 8100 serve $ENGINE --kv-mode dense --gpu-memory-gb "$GPU_GB" && bench dense 8100
@@ -52,7 +55,7 @@ echo "== oasis, disaggregated (prefill + decode on one GPU, NIXL, proxy)"
 start prefill 8101 serve $ENGINE --kv-mode oasis --role prefill --kv-transfer nixl --gpu-memory-gb "$GPU_GB" \
   --host-kv-gb "$PREFILL_HOST_GB" &&
 start decode 8102 serve $ENGINE --kv-mode oasis --role decode --kv-transfer nixl --gpu-memory-gb "$GPU_GB" \
-  --host-kv-gb "$DECODE_HOST_GB" &&
+  --host-kv-gb "$PREFILL_HOST_GB" --local-kv-blocks "$LOCAL_BLOCKS" &&
 start proxy 8100 proxy --prefill http://127.0.0.1:8101 --decode http://127.0.0.1:8102 &&
 bench disagg 8100 && curl -s http://127.0.0.1:8102/metrics | grep -E "^oasiskv:(kv_|engine_)" > "$OUT/disagg_decode.metrics" &&
 curl -s http://127.0.0.1:8101/metrics | grep -E "^oasiskv:engine_disagg" > "$OUT/disagg_prefill.metrics"
