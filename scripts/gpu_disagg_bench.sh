@@ -13,7 +13,7 @@ MODEL=${MODEL:-qwen3-8b}; CTX=${CTX:-16384}; OUTLEN=${OUTLEN:-64}; NUM=${NUM:-32
 GPU_GB=${GPU_GB:-60}; PREFILL_HOST_GB=${PREFILL_HOST_GB:-48}; LOCAL_BLOCKS=${LOCAL_BLOCKS:-6800}
 SINGLE_HOST_GB=${SINGLE_HOST_GB:-64}; OUT=${OUT:-results/disagg}; EXTRA=${EXTRA:-}
 mkdir -p "$OUT"
-MODEL_ARGS=${MODEL_ARGS:-"--model $MODEL --load-format dummy"}  # a CPU dry run: MODEL_ARGS="" (SmolLM2)
+MODEL_ARGS=${MODEL_ARGS-"--model $MODEL --load-format dummy"}  # a CPU dry run: MODEL_ARGS="" (SmolLM2)
 ENGINE="$MODEL_ARGS --max-num-batched-tokens $CTX --max-model-len $((CTX + OUTLEN + 16)) $EXTRA"
 PIDS=()
 
@@ -32,10 +32,10 @@ start() {  # start NAME PORT ARGS...: a server in the background, its log in $OU
 stop_all() { for p in "${PIDS[@]}"; do kill "$p" 2> /dev/null; done; wait 2> /dev/null; PIDS=(); }
 trap stop_all EXIT
 
-bench() {  # bench NAME PORT: the serving benchmark against one endpoint, then its /metrics
+bench() {  # bench NAME PORT [METRICS_PORT]: the serving benchmark against one endpoint, then the engine's /metrics
   $PY -m oasiskv.cli bench serve --port "$2" --random-input-len "$CTX" --random-output-len "$OUTLEN" \
     --num-prompts "$NUM" --max-concurrency "$CONC" --ignore-eos --json "$OUT/$1.json" 2>&1 | grep -v "it/s\]"
-  curl -s "http://127.0.0.1:$2/metrics" | grep -E "^oasiskv:(kv_remote|kv_local|kv_agreement |kv_hit_rate|kv_prefetch_bytes_per_step|engine_disagg)" \
+  curl -s "http://127.0.0.1:${3:-$2}/metrics" | grep -E "^oasiskv:(kv_remote|kv_local|kv_agreement |kv_hit_rate|kv_prefetch_bytes_per_step|engine_disagg)" \
     > "$OUT/$1.metrics"
   cat "$OUT/$1.metrics"
 }
@@ -57,7 +57,7 @@ start prefill 8101 serve $ENGINE --kv-mode oasis --role prefill --kv-transfer ni
 start decode 8102 serve $ENGINE --kv-mode oasis --role decode --kv-transfer nixl --gpu-memory-gb "$GPU_GB" \
   --host-kv-gb "$PREFILL_HOST_GB" --local-kv-blocks "$LOCAL_BLOCKS" &&
 start proxy 8100 proxy --prefill http://127.0.0.1:8101 --decode http://127.0.0.1:8102 &&
-bench disagg 8100 && curl -s http://127.0.0.1:8102/metrics | grep -E "^oasiskv:(kv_|engine_)" > "$OUT/disagg_decode.metrics" &&
+bench disagg 8100 8102 && curl -s http://127.0.0.1:8102/metrics | grep -E "^oasiskv:(kv_|engine_)" > "$OUT/disagg_decode.metrics" &&
 curl -s http://127.0.0.1:8101/metrics | grep -E "^oasiskv:engine_disagg" > "$OUT/disagg_prefill.metrics"
 grep -h "local host KV peak" "$OUT/decode.log" | tail -5
 stop_all
