@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-pytest.importorskip("nixl_cu12")
+pytest.importorskip("nixl_cu12")  # the wheel in pyproject.toml on x86-64 Linux
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = os.path.join(ROOT, "oasiskv", "evals", "sample_pride_and_prejudice.txt")

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-pytest.importorskip("nixl_cu12")
+pytest.importorskip("nixl_cu12")  # the wheel in pyproject.toml on x86-64 Linux
 os.environ.setdefault("UCX_TLS", "tcp")
 
 from oasiskv.config import CacheConfig, DisaggConfig, EngineConfig, KVConfig, SamplingParams, SchedulerConfig  # noqa: E402

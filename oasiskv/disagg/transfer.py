@@ -12,6 +12,7 @@ shared memory it needs nothing from the target)."""
 from __future__ import annotations
 
 import base64
+import importlib
 import logging
 import os
 import time
@@ -27,12 +28,17 @@ class RemoteKVError(RuntimeError):
     """A read from a remote agent failed: the agent is gone (restarted, killed) or timed out."""
 
 
+NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")  # the PyPI wheels nixl-cu12 / nixl-cu13 (CUDA 12 / 13)
+
+
 def load_nixl():
-    try:
-        import nixl_cu12 as nixl  # the PyPI wheel `nixl-cu12`; also runs on machines without a GPU
-    except ImportError as e:
-        raise RuntimeError("--kv-transfer nixl needs the NIXL Python API: pip install --no-deps nixl-cu12") from e
-    return nixl
+    for name in NIXL_MODULES:
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise RuntimeError("--kv-transfer nixl needs the NIXL Python API: pip install --no-deps nixl-cu12 "
+                       "(or nixl-cu13 with CUDA 13); it also runs on machines without a GPU")
 
 
 class KVAgent:
