@@ -71,7 +71,8 @@ class LLMEngine:
                                      self.weights_bytes(), self.profile_activation_bytes())
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         kv = build_kv(self.model_config, config.cache, config.kv, gpu_blocks, self.max_model_len,
-                      config.scheduler.max_num_seqs, self.dtype, self.device, timing=not use_graphs)
+                      config.scheduler.max_num_seqs, self.dtype, self.device, timing=not use_graphs,
+                      **self.kv_overrides())
         self.pool, self.host, self.policy, self.allocator = kv.pool, kv.host, kv.policy, kv.allocator
         self.kv_description = kv.description
         sched_cfg = dataclasses.replace(config.scheduler, max_num_seqs=kv.max_running)
@@ -89,6 +90,10 @@ class LLMEngine:
         self._ids = itertools.count()
 
     # -- set-up ---------------------------------------------------------------------------------
+    def kv_overrides(self) -> dict:
+        """Extra arguments of build_kv for the offloaded modes (a decode instance: disagg/decode.py)."""
+        return {}
+
     def weights_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
