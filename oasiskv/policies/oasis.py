@@ -19,7 +19,7 @@ from collections import defaultdict
 
 import torch
 
-from oasiskv.kernels.block_select import block_scores, block_scores_reference, select_blocks_padded
+from oasiskv.kernels.block_select import select_blocks_padded
 from oasiskv.kernels.paged_decode import paged_decode_attention, paged_decode_reference
 from oasiskv.kernels.sparse_decode import sparse_decode_attention, sparse_decode_reference
 from oasiskv.policies.sparse import padded_to_csr
@@ -205,8 +205,7 @@ class OasisPolicy(TieredPolicy):
         gathered, best first, up to the fetch cap, on the copy stream."""
         nblocks = ((draft_lens + self.block_size - 1) // self.block_size).to(torch.int32)
         with self.timer("predict"):
-            score = block_scores if self.cuda else block_scores_reference
-            scores = score(q_draft, self.summaries.layer(layer), self.host_tables, nblocks)
+            scores = self.score_blocks(layer, q_draft, self.host_tables, nblocks)
             _, prediction = select_blocks_padded(scores, nblocks, self.budget_blocks, self.cfg.sink_blocks,
                                                  self.cfg.local_blocks)
         ids = prediction.clamp(min=0).long()
