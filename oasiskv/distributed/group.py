@@ -25,6 +25,7 @@ class TensorParallel:
     cpu_group: dist.ProcessGroup
     released: list[str] = field(default_factory=list)  # rank 0: requests released since the last plan
     shutdown: object = None  # rank 0: stops the workers (idempotent); set by launch
+    procs: list = field(default_factory=list)  # rank 0: the spawned ranks' processes
 
     @property
     def is_leader(self) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import queue
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -58,6 +59,7 @@ def start_tensor_parallel(config: EngineConfig, device_type: str) -> TensorParal
         stop_workers(None, procs, rendezvous)
         raise
     tp.shutdown = weakref.finalize(tp, stop_workers, tp.cpu_group, procs, rendezvous)
+    tp.procs = procs
     return tp
 
 
@@ -112,6 +114,8 @@ def run_rank(config: EngineConfig, rank: int, world: int, init_file: str, device
         traceback.print_exc()
         os._exit(1)  # the peers see the connection close
     leave_group()
+    sys.stdout.flush()
+    os._exit(0)  # skip the interpreter's slow teardown: the engine waits for this exit
 
 
 def run_plans(engine, tp: TensorParallel) -> None:
