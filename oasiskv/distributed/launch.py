@@ -108,7 +108,7 @@ def run_rank(config: EngineConfig, rank: int, world: int, init_file: str, device
         tp = join_group(rank, world, init_file, device_type)
         from oasiskv.engine.engine import LLMEngine  # after joining: the engine finds the group
 
-        engine = LLMEngine(config)
+        engine = LLMEngine(config.replace(show_progress=False))  # rank 0 shows the progress
         run_plans(engine, tp)
     except Exception:
         traceback.print_exc()

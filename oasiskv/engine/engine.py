@@ -62,7 +62,7 @@ class LLMEngine:
         self.device = self.tp.device if self.tp else pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
         loaded = load_model(config.model, config.load_format, self.device, self.dtype, config.seed,
-                            config.show_progress)
+                            config.show_progress, with_tokenizer=not self.tp or self.tp.is_leader)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_source = loaded.source
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
