@@ -12,7 +12,6 @@ own (a watchdog thread), so no process outlives the engine."""
 from __future__ import annotations
 
 import os
-import queue
 import shutil
 import sys
 import tempfile
@@ -23,6 +22,8 @@ import weakref
 
 import torch
 import torch.multiprocessing as mp
+from tqdm.auto import tqdm
+from multiprocessing import connection as mp_connection
 
 from oasiskv.config import EngineConfig
 from oasiskv.distributed.group import TensorParallel, current, join_group, leave_group
@@ -47,13 +48,14 @@ def start_tensor_parallel(config: EngineConfig, device_type: str) -> TensorParal
     rendezvous = tempfile.mkdtemp(prefix="oasiskv-tp-")
     init_file = os.path.join(rendezvous, "init")
     ctx = mp.get_context("spawn")
-    started = ctx.Queue()
-    procs = [ctx.Process(target=run_rank, args=(config, rank, world, init_file, device_type, os.getpid(), started),
-                         daemon=True, name=f"oasiskv-tp-rank{rank}") for rank in range(1, world)]
-    for p in procs:
+    pipes = [ctx.Pipe(duplex=False) for _ in range(1, world)]  # (read, write): "started" signals
+    procs = [ctx.Process(target=run_rank, args=(config, rank, world, init_file, device_type, os.getpid(), w),
+                         daemon=True, name=f"oasiskv-tp-rank{rank}") for rank, (_, w) in enumerate(pipes, 1)]
+    for p, (_, signal) in zip(procs, pipes):
         p.start()
+        signal.close()  # the child holds the write end now: its death reads as end-of-file
     try:
-        wait_started(procs, started)
+        wait_started(procs, [r for r, _ in pipes])
         tp = join_group(0, world, init_file, device_type)
     except BaseException:
         stop_workers(None, procs, rendezvous)
@@ -63,19 +65,20 @@ def start_tensor_parallel(config: EngineConfig, device_type: str) -> TensorParal
     return tp
 
 
-def wait_started(procs: list, started) -> None:
+def wait_started(procs: list, signals: list) -> None:
     """Returns once every spawned rank runs our code; raises if one died first (a script that starts
     an engine must guard its entry point with `if __name__ == "__main__":`, as spawn re-imports it)."""
-    waiting = set(range(1, len(procs) + 1))
+    waiting = dict(zip(signals, procs))
     while waiting:
-        try:
-            waiting.discard(started.get(timeout=0.5))
-        except queue.Empty:
-            dead = [p for p in procs if p.exitcode is not None]
-            if dead:
-                raise RuntimeError(f"tensor-parallel rank process {dead[0].name} exited with code {dead[0].exitcode} "
+        for ready in mp_connection.wait(list(waiting)):
+            proc = waiting.pop(ready)
+            try:
+                ready.recv()
+            except EOFError:
+                proc.join(JOIN_TIMEOUT_S)
+                raise RuntimeError(f"tensor-parallel rank process {proc.name} exited with code {proc.exitcode} "
                                    "before joining (see its error above; a script that creates the engine must "
-                                   "guard its entry point with `if __name__ == \"__main__\":`)")
+                                   "guard its entry point with `if __name__ == \"__main__\":`)") from None
 
 
 def stop_workers(cpu_group, procs: list, rendezvous: str) -> None:
@@ -102,7 +105,8 @@ def run_rank(config: EngineConfig, rank: int, world: int, init_file: str, device
              started) -> None:
     """Body of a spawned rank: join, build the engine, run plans until told to stop."""
     watch_parent(parent)
-    started.put(rank)
+    tqdm.set_lock(threading.RLock())  # not tqdm's default multiprocessing lock, which a fast exit would leak
+    started.send(rank)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
         tp = join_group(rank, world, init_file, device_type)
