@@ -6,6 +6,7 @@ it never waits on a GPU stream."""
 from __future__ import annotations
 
 import datetime
+import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -26,6 +27,9 @@ class TensorParallel:
     released: list[str] = field(default_factory=list)  # rank 0: requests released since the last plan
     shutdown: object = None  # rank 0: stops the workers (idempotent); set by launch
     procs: list = field(default_factory=list)  # rank 0: the spawned ranks' processes
+    combiner: object = None  # the sparse policy's ScoreCombiner, for its statistics
+    plans_sent: int = 0
+    plan_seconds: float = 0.0  # rank 0: pickling and broadcasting step plans
 
     @property
     def is_leader(self) -> bool:
@@ -43,12 +47,20 @@ class TensorParallel:
 
     def send_step(self, plan) -> None:
         """Rank 0: the step plan and the requests released before it, to every other rank."""
+        t0 = time.perf_counter()
         self.broadcast((plan, self.released))
         self.released = []
+        self.plans_sent += 1
+        self.plan_seconds += time.perf_counter() - t0
 
     def receive_step(self):
         """Other ranks: (plan, released request ids), or None when the engine closes."""
         return self.broadcast(None)
+
+    def stats(self) -> dict:
+        out = {"tp_size": self.world, "tp_plans_sent": self.plans_sent,
+               "tp_plan_broadcast_s": round(self.plan_seconds, 6)}
+        return {**out, **(self.combiner.stats() if self.combiner else {})}
 
     def broadcast(self, message):
         box = [message]

@@ -51,4 +51,6 @@ def split_kv_budgets(cache: CacheConfig, kv: KVConfig, tp: TensorParallel, devic
 def attach_score_combiner(policy: KVPolicy, tp: TensorParallel, model_config: ModelConfig) -> None:
     """Sparse policies combine their per-rank block scores into the model's, on every rank."""
     shard = plan_shard(model_config, tp.rank, tp.world)
-    policy.combine_scores = ScoreCombiner(tp.world, shard.kv_replicas, timed=tp.device.type == "cpu")
+    if policy.name == "dense":
+        return
+    policy.combine_scores = tp.combiner = ScoreCombiner(tp.world, shard.kv_replicas, timed=tp.device.type == "cpu")

@@ -118,7 +118,7 @@ class LLMEngine:
         return int(peak * 1.2) + (256 << 20)
 
     def stats_dict(self) -> dict:
-        tp = self.policy.combine_scores.stats() if self.policy.combine_scores else {}
+        tp = self.tp.stats() if self.tp else {}
         return {"kv_mode": self.policy.name, **self.stats.as_dict(), **self.policy.stats(), **tp}
 
     def close(self) -> None:
