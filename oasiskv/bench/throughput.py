@@ -25,7 +25,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-sizes", default="1,8,32",
                    help="comma-separated; 'max' is the most requests of this length the KV memory holds at once")
     g.add_argument("--warmup-steps", type=int, default=3, help="decode steps run before timing (kernel compiles)")
-    g.add_argument("--hbm-gbps", type=float, default=HBM_GBPS, help="bandwidth ceiling to compare against")
+    g.add_argument("--hbm-gbps", type=float, default=HBM_GBPS, help="bandwidth ceiling to compare against (per GPU)")
     g.add_argument("--out", default="results/bench_throughput.json")
 
 
@@ -70,7 +70,8 @@ def bench_one(engine, batch: int, input_len: int, output_len: int, hbm_gbps: flo
         raise RuntimeError(f"batch {batch} does not fit the KV memory at once; lower the batch or raise memory")
     for _ in range(warmup):
         engine.step()
-    weights = engine.weights_bytes()
+    ranks = engine.config.tensor_parallel_size  # every rank reads its weights; rank 0 counts its KV copies
+    weights = engine.weights_bytes() * ranks
     bytes_read, decode_s = 0, 0.0
     before = engine.policy.stats()
     for _ in range(output_len):
@@ -82,19 +83,19 @@ def bench_one(engine, batch: int, input_len: int, output_len: int, hbm_gbps: flo
     steps = output_len
     if any(r.finished for r in reqs):
         raise RuntimeError("a request finished inside the timed window")
-    kv = kv_deltas(before, engine.policy.stats())
+    kv = kv_deltas(before, engine.policy.stats(), ranks)
     pcie = kv.get("kv_bytes_gathered", 0)
     for i in ids:
         engine.abort(i)
         engine.pop_finished(i)
     tokens = steps * batch
     return {
-        "mode": engine.policy.name, "batch": batch, "context": input_len, "decode_steps": steps, "prefill_s": round(prefill_s, 3),
+        "mode": engine.policy.name, "tp": ranks, "batch": batch, "context": input_len, "decode_steps": steps, "prefill_s": round(prefill_s, 3),
         "decode_s": round(decode_s, 4), "decode_tok_s": round(tokens / decode_s, 1),
         "step_ms": round(1000 * decode_s / steps, 3), "bytes_per_step_gb": round(bytes_read / steps / 1e9, 3),
         "achieved_gbps": round(bytes_read / decode_s / 1e9, 1),
         "pcie_gb_per_step": round(pcie / steps / 1e9, 4), "pcie_gbps": round(pcie / decode_s / 1e9, 2),
-        "roofline_pct": round(100 * bytes_read / decode_s / 1e9 / hbm_gbps, 1),
+        "roofline_pct": round(100 * bytes_read / decode_s / 1e9 / (hbm_gbps * ranks), 1),
         **lookahead_columns(kv, steps, decode_s),
     }
 
@@ -103,8 +104,10 @@ COUNTERS = ("kv_bytes_gathered", "kv_prefetch_bytes", "kv_agree_hits", "kv_agree
             "kv_selected_blocks", "kv_misses", "kv_time_prefetch_s", "kv_time_prefetch_exposed_s")
 
 
-def kv_deltas(before: dict, after: dict) -> dict:
-    return {k: after[k] - before.get(k, 0) for k in COUNTERS if k in after}
+def kv_deltas(before: dict, after: dict, ranks: int = 1) -> dict:
+    """Counter changes; bytes moved are rank 0's times the ranks (all make the same selections)."""
+    return {k: (after[k] - before.get(k, 0)) * (ranks if k.endswith("_bytes") or "bytes_" in k else 1)
+            for k in COUNTERS if k in after}
 
 
 def lookahead_columns(kv: dict, steps: int, decode_s: float) -> dict:
