@@ -11,12 +11,11 @@ import json
 import pytest
 import torch
 
-from oasiskv.config import CacheConfig, EngineConfig, KVConfig, SamplingParams, SchedulerConfig
+from oasiskv.config import CacheConfig, EngineConfig, KVConfig, ModelConfig, SamplingParams, SchedulerConfig
 from oasiskv.distributed.scores import combine_gathered
 from oasiskv.distributed.shard import check_shardable, plan_shard
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.kernels.block_select import block_scores_reference
-from oasiskv.config import ModelConfig
 
 VOCAB = 301  # not a multiple of 2: the last vocabulary shard is padded
 QWEN3 = {"model_type": "qwen3", "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
@@ -124,3 +123,12 @@ def test_combine_gathered_equals_the_whole_model_score():
 def test_sizes_that_do_not_divide_are_clear_errors(model, world, message):
     with pytest.raises(ValueError, match=message):
         check_shardable(ModelConfig.from_hf({**QWEN3, **model}), world)
+
+
+@pytest.mark.parametrize("config, message", [
+    (EngineConfig(tensor_parallel_size=0), "must be >= 1"),
+    (EngineConfig(tensor_parallel_size=2, kv=KVConfig(mode="oasis", draft="eagle3")), "eagle3 is not supported"),
+])
+def test_unsupported_settings_fail_before_any_rank_starts(config, message):
+    with pytest.raises(ValueError, match=message):
+        LLMEngine(config)
