@@ -5,7 +5,7 @@ rank 0's selection counters must be equal. Then the same on qwen3-0.6b (dummy we
 longer context, where the Triton kernels and the fetch machinery run at real sizes. Prints one line per
 case and exits non-zero on a mismatch.
 
-    python scripts/gpu_tp_check.py [--tp 2] [--context 4096]
+    python scripts/gpu_tp_check.py [--tp 2] [--context 4096] [--kv-cache-gb 8] [--host-kv-gb 4]
 """
 from __future__ import annotations
 
@@ -40,12 +40,12 @@ def tiny_case(mode: str, tp: int) -> bool:
     return ok
 
 
-def real_case(mode: str, tp: int, context: int) -> bool:
-    kv = KVConfig(mode=mode, budget=512, **({"fetch_cap": 0.25, "host_kv_gb": 4.0} if mode == "oasis" else {}))
+def real_case(mode: str, tp: int, context: int, kv_gb: float, host_gb: float) -> bool:
+    kv = KVConfig(mode=mode, budget=512, **({"fetch_cap": 0.25, "host_kv_gb": host_gb} if mode == "oasis" else {}))
     outs = []
     for size in (1, tp):
         e = LLMEngine(EngineConfig(model="qwen3-0.6b", load_format="dummy", dtype="float32", show_progress=False,
-                                   tensor_parallel_size=size, kv=kv, cache=CacheConfig(kv_cache_gb=8.0),
+                                   tensor_parallel_size=size, kv=kv, cache=CacheConfig(kv_cache_gb=kv_gb),
                                    scheduler=SchedulerConfig(max_num_batched_tokens=context)))
         gen = torch.Generator().manual_seed(0)
         for i in range(4):
@@ -68,10 +68,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--kv-cache-gb", type=float, default=8.0)
+    p.add_argument("--host-kv-gb", type=float, default=4.0)
     args = p.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
     results = [tiny_case(mode, args.tp) for mode in ("dense", "quest", "oasis")]
-    results += [real_case(mode, args.tp, args.context) for mode in ("dense", "quest", "oasis")]
+    results += [real_case(mode, args.tp, args.context, args.kv_cache_gb, args.host_kv_gb)
+                for mode in ("dense", "quest", "oasis")]
     sys.exit(0 if all(results) else 1)
 
 

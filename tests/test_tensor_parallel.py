@@ -23,7 +23,7 @@ QWEN3 = {"model_type": "qwen3", "vocab_size": VOCAB, "hidden_size": 64, "interme
          "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000, "tie_word_embeddings": False}
 KV = {"dense": {}, "quest": {}, "oasis": {"fetch_cap": 0.34, "host_kv_gb": 0.01}}
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-COUNTERS = ("kv_selected_blocks", "kv_hits", "kv_misses", "kv_prefetched_blocks", "kv_agree_hits")
+COUNTERS = ("preemptions", "kv_selected_blocks", "kv_hits", "kv_misses", "kv_prefetched_blocks", "kv_agree_hits")
 
 
 @pytest.fixture(autouse=True)
@@ -35,11 +35,12 @@ def one_thread():
 
 
 def engine(tmp_path, mode: str, tp: int, **model) -> LLMEngine:
+    """dense: a pool of 12 blocks, too few for the three first requests at once (preemption)."""
     (tmp_path / "config.json").write_text(json.dumps({**QWEN3, **model}))
     kv = KVConfig(mode=mode, budget=48, sink_blocks=1, local_blocks=1, **KV[mode])
     return LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy", dtype="float32", seed=1,
                                   show_progress=False, tensor_parallel_size=tp, kv=kv,
-                                  cache=CacheConfig(kv_cache_gb=0.05),
+                                  cache=CacheConfig(kv_cache_gb=0.05, num_kv_blocks=12 if mode == "dense" else None),
                                   scheduler=SchedulerConfig(max_num_batched_tokens=96)))
 
 
@@ -77,7 +78,7 @@ def workers_exit(procs) -> bool:
 @pytest.mark.parametrize("mode", ["dense", "quest", "oasis"])
 def test_tp2_equals_one_process(tmp_path, mode):
     """quest runs with ONE KV head: replicated on both ranks, scores combined by all-gather (max, sum);
-    dense and oasis split two KV heads (scores all-reduced)."""
+    dense and oasis split two KV heads (scores all-reduced). dense preempts requests (recompute)."""
     model = {"num_key_value_heads": 1} if mode == "quest" else {}
     want, want_stats = drive(engine(tmp_path, mode, 1, **model))
     tp = engine(tmp_path, mode, 2, **model)
@@ -85,7 +86,9 @@ def test_tp2_equals_one_process(tmp_path, mode):
     got, got_stats = drive(tp)
     assert set(got) == {"0", "2", "3"} and got == want
     assert got_stats == want_stats  # the same selections, hits and prefetches on rank 0 as in one process
-    if mode != "dense":
+    if mode == "dense":
+        assert want_stats["preemptions"] > 0
+    else:
         assert tp.stats_dict()["tp_score_combines"] > 0 and want_stats["kv_selected_blocks"] > 0
     if mode == "oasis":  # garbage collection stops the ranks
         del tp
