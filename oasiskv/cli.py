@@ -30,6 +30,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=SCHED_DEFAULTS.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=SCHED_DEFAULTS.max_num_batched_tokens)
     g.add_argument("--max-model-len", type=int, default=SCHED_DEFAULTS.max_model_len)
+    g.add_argument("--enforce-eager", action="store_true", default=ENGINE_DEFAULTS.enforce_eager,
+                   help="never replay CUDA graphs (on the GPU, decode-only steps replay them by default)")
     k = p.add_argument_group("sparse KV")
     k.add_argument("--kv-mode", default=KV_DEFAULTS.mode, choices=KV_MODES)
     k.add_argument("--kv-budget", type=int, default=KV_DEFAULTS.budget, help="KV tokens per request per layer")
@@ -79,7 +81,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                   fetch_cap=args.fetch_cap, draft=draft, draft_model=draft_model, miss_policy=args.miss_policy)
     return EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
                         seed=args.seed, tensor_parallel_size=args.tensor_parallel_size, cache=cache, kv=kv,
-                        scheduler=sched, show_progress=True)
+                        scheduler=sched, show_progress=True, enforce_eager=args.enforce_eager)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -168,6 +170,18 @@ def cmd_bench_throughput(args) -> None:
     run_from_args(args, engine_config(args))
 
 
+def cmd_bench_kernels(args) -> None:
+    from oasiskv.bench.kernels import run
+
+    run(args)
+
+
+def cmd_bench_hf_reference(args) -> None:
+    from oasiskv.bench.hf_reference import run
+
+    run(args)
+
+
 def cmd_bench_serve(args) -> None:
     from oasiskv.bench.serve import main as bench_serve_main
 
@@ -203,10 +217,13 @@ def add_serve_parser(sub) -> None:
 
 
 def add_bench_parser(sub) -> None:
+    from oasiskv.bench.hf_reference import add_args as add_hf_reference_args
+    from oasiskv.bench.kernels import add_args as add_kernels_args
     from oasiskv.bench.serve import add_args as add_bench_serve_args
     from oasiskv.bench.throughput import add_bench_args
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput (engine, offline) | serve (a running server)")
+    bench = sub.add_parser("bench", help="benchmarks: throughput (engine, offline) | serve (a running server) | "
+                                         "kernels | hf-reference")
     kinds = bench.add_subparsers(dest="bench", required=True)
     throughput = kinds.add_parser("throughput", help="decode throughput at a given context length")
     add_bench_args(throughput)
@@ -215,6 +232,12 @@ def add_bench_parser(sub) -> None:
     serve = kinds.add_parser("serve", help="latency and throughput of an OpenAI-compatible server, like vllm bench serve")
     add_bench_serve_args(serve)
     serve.set_defaults(func=cmd_bench_serve)
+    kernels = kinds.add_parser("kernels", help="gather, sparse attention and scoring against the copy ceilings")
+    add_kernels_args(kernels)
+    kernels.set_defaults(func=cmd_bench_kernels)
+    hf = kinds.add_parser("hf-reference", help="transformers' generate with a static cache on the same workload")
+    add_hf_reference_args(hf)
+    hf.set_defaults(func=cmd_bench_hf_reference)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -168,6 +168,7 @@ class EngineConfig:
     kv: KVConfig = field(default_factory=KVConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     show_progress: bool = True
+    enforce_eager: bool = False  # False: decode-only steps on the GPU replay CUDA graphs
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
@@ -213,3 +214,23 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """`oasiskv bench throughput | kernels | hf-reference` defaults (the CLI reads them)."""
+
+    input_len: int = 16384
+    output_len: int = 32  # single-mode runs (--kv-mode); --modes runs use what the user gives
+    batch_sizes: str = "1,8,32"  # single-mode runs: fixed batches; 'max' is the most the KV memory holds
+    warmup_steps: int = 3  # decode steps run before timing (kernel compiles)
+    hbm_gbps: float | None = None  # None: a device-to-device copy measured in the same process
+    num_prompts: int | None = None  # --modes runs: default one wave at the mode's largest concurrency
+    profile_steps: int = 5  # decode steps timed phase by phase with --profile-step
+    prompt_seed: int = 0  # random prompts are drawn from this seed, the same for every mode
+    # bench kernels: Qwen3-8B shapes at 16K context on the GPU
+    kernel_context: int = 16384
+    kernel_batches: str = "1,8,32"
+    kernel_host_gib: float = 4.0  # pinned host store the gather reads from
+    kernel_chunks: int = 2048  # (layer, block) chunks gathered in one launch
+    kernel_rep_ms: int = 200  # triton do_bench repetition time

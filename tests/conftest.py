@@ -39,3 +39,12 @@ def smollm_hf_tokenizer():
 
     path = embedded_default_path()
     return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny tensors: one thread is faster, and far faster on a busy machine (no waits on a descheduled peer)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

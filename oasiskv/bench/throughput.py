@@ -3,6 +3,9 @@
 Per decode step the engine must read every weight once and every cached K/V byte of every running
 request once; bytes / (HBM bandwidth) is the floor on step time. We report achieved bytes/s against
 the measured copy ceiling of the H200 (4.2 TB/s, shared/DESIGN.md) and write JSON.
+
+With --modes (or a sweep) the side-by-side benchmark of bench/modes.py runs instead: every mode in one
+invocation at the concurrency it holds, as `vllm bench throughput` measures it.
 """
 from __future__ import annotations
 
@@ -13,23 +16,58 @@ import time
 
 import torch
 
-from oasiskv.config import EngineConfig, SamplingParams
+from oasiskv.bench.workload import kv_bytes_read, kv_deltas
+from oasiskv.config import BenchConfig, EngineConfig, SamplingParams
 
 HBM_GBPS = 4200.0
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
+    d = BenchConfig()
     g = p.add_argument_group("benchmark")
-    g.add_argument("--input-len", type=int, default=16384)
-    g.add_argument("--output-len", type=int, default=32)
-    g.add_argument("--batch-sizes", default="1,8,32",
-                   help="comma-separated; 'max' is the most requests of this length the KV memory holds at once")
-    g.add_argument("--warmup-steps", type=int, default=3, help="decode steps run before timing (kernel compiles)")
-    g.add_argument("--hbm-gbps", type=float, default=HBM_GBPS, help="bandwidth ceiling to compare against (per GPU)")
-    g.add_argument("--out", default="results/bench_throughput.json")
+    g.add_argument("--input-len", type=int, default=d.input_len)
+    g.add_argument("--output-len", type=int, default=d.output_len)
+    g.add_argument("--batch-sizes", default=d.batch_sizes,
+                   help="single mode (--kv-mode): comma-separated; 'max' is the most requests of this length the "
+                        "KV memory holds at once")
+    g.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="decode steps run before timing (kernel compiles)")
+    g.add_argument("--hbm-gbps", type=float, default=d.hbm_gbps,
+                   help="memory bandwidth of the roofline (default: a device-to-device copy measured now; "
+                        f"single-mode runs: {HBM_GBPS:.0f})")
+    g.add_argument("--out", default="results/bench_throughput.json", help="single-mode JSON")
+    m = p.add_argument_group("every mode side by side (vllm bench throughput's numbers)")
+    m.add_argument("--modes", default=None, help="comma-separated KV modes, e.g. dense,quest,retrieval,oasis: each "
+                                                  "runs at the largest concurrency it holds")
+    m.add_argument("--num-prompts", type=int, default=d.num_prompts, help="default: one per request held at once")
+    m.add_argument("--prompt-seed", type=int, default=d.prompt_seed)
+    m.add_argument("--sweep-concurrency", default=None, help="e.g. 1,8,16,32,64: throughput against concurrency "
+                                                              "for each of --modes (or --kv-mode)")
+    m.add_argument("--sweep-fetch-cap", default=None, help="e.g. 0.01,0.02,0.05,0.1,1: oasis at each fetch cap")
+    m.add_argument("--compare-to", default=None, help="JSON of an earlier run of the same kind: its other modes "
+                                                      "(fetch caps) join the table, the ratios to dense and the plot")
+    m.add_argument("--profile-step", action="store_true",
+                   help="per-phase breakdown of a decode step at each mode's concurrency (synchronising timers)")
+    m.add_argument("--profile-steps", type=int, default=d.profile_steps)
+    m.add_argument("--json", default=None, help="write the results here")
+    m.add_argument("--plot", default=None, help="write a PNG here")
 
 
-def run_from_args(args: argparse.Namespace, config: EngineConfig) -> list[dict]:
+def run_from_args(args: argparse.Namespace, config: EngineConfig):
+    """--modes or a sweep: the side-by-side benchmark (bench/modes.py); otherwise one mode at fixed batches."""
+    from oasiskv.bench import modes
+
+    if args.sweep_concurrency and args.sweep_fetch_cap:
+        raise SystemExit("error: run --sweep-concurrency and --sweep-fetch-cap in separate invocations")
+    if args.sweep_concurrency:
+        return modes.run_concurrency_sweep(args, config)
+    if args.sweep_fetch_cap:
+        return modes.run_fetch_cap_sweep(args, config)
+    if args.modes:
+        return modes.run_modes(args, config)
+    return run_single_mode(args, config)
+
+
+def run_single_mode(args: argparse.Namespace, config: EngineConfig) -> list[dict]:
     from oasiskv.engine.engine import LLMEngine
 
     sched = config.scheduler
@@ -41,7 +79,7 @@ def run_from_args(args: argparse.Namespace, config: EngineConfig) -> list[dict]:
     for _ in range(3):  # the decode tail each request grows while the others prefill depends on the batch
         fit = engine.max_concurrency(request_tokens(engine, fit, args.input_len, args.output_len, args.warmup_steps))
     batches = [fit if b == "max" else int(b) for b in args.batch_sizes.split(",")]
-    rows = [bench_one(engine, b, args.input_len, args.output_len, args.hbm_gbps, args.warmup_steps)
+    rows = [bench_one(engine, b, args.input_len, args.output_len, args.hbm_gbps or HBM_GBPS, args.warmup_steps)
             for b in batches]
     print_table(rows, engine)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
@@ -83,7 +121,8 @@ def bench_one(engine, batch: int, input_len: int, output_len: int, hbm_gbps: flo
     steps = output_len
     if any(r.finished for r in reqs):
         raise RuntimeError("a request finished inside the timed window")
-    kv = kv_deltas(before, engine.policy.stats(), ranks)
+    kv = kv_deltas(before, engine.policy.stats())
+    kv = {k: v * ranks if "bytes" in k else v for k, v in kv.items()}  # all ranks move the same blocks
     pcie = kv.get("kv_bytes_gathered", 0)
     for i in ids:
         engine.abort(i)
@@ -98,16 +137,6 @@ def bench_one(engine, batch: int, input_len: int, output_len: int, hbm_gbps: flo
         "roofline_pct": round(100 * bytes_read / decode_s / 1e9 / (hbm_gbps * ranks), 1),
         **lookahead_columns(kv, steps, decode_s),
     }
-
-
-COUNTERS = ("kv_bytes_gathered", "kv_prefetch_bytes", "kv_agree_hits", "kv_agree_total", "kv_hits",
-            "kv_selected_blocks", "kv_misses", "kv_time_prefetch_s", "kv_time_prefetch_exposed_s")
-
-
-def kv_deltas(before: dict, after: dict, ranks: int = 1) -> dict:
-    """Counter changes; bytes moved are rank 0's times the ranks (all make the same selections)."""
-    return {k: (after[k] - before.get(k, 0)) * (ranks if k.endswith("_bytes") or "bytes_" in k else 1)
-            for k in COUNTERS if k in after}
 
 
 def lookahead_columns(kv: dict, steps: int, decode_s: float) -> dict:
@@ -130,16 +159,6 @@ def request_tokens(engine, batch: int, input_len: int, output_len: int, warmup: 
     """Prompt plus the most tokens a request may generate in bench_one."""
     prefill_steps = batch + -(-batch * input_len // engine.scheduler.cfg.max_num_batched_tokens)
     return input_len + prefill_steps + warmup + output_len + 1
-
-
-def kv_bytes_read(engine, tokens: int) -> int:
-    """HBM bytes one decode step reads for one request's KV: every token (dense), or the budget plus
-    the block summaries (sparse modes; a block's summary is the size of one token's K and V)."""
-    per_token = engine.kv_bytes_per_token
-    if engine.policy.name == "dense":
-        return tokens * per_token
-    budget = engine.config.kv.budget
-    return (min(tokens, budget) + -(-tokens // engine.block_size)) * per_token
 
 
 def device_name(device: torch.device) -> str:

@@ -12,6 +12,7 @@ from oasiskv.config import EngineConfig, SamplingParams
 from oasiskv.distributed.launch import start_tensor_parallel
 from oasiskv.distributed.setup import attach_score_combiner, shard_for_rank
 from oasiskv.engine.request import Request
+from oasiskv.engine.cuda_graph import DecodeGraphs
 from oasiskv.engine.runner import ModelRunner
 from oasiskv.engine.sampler import Sampler
 from oasiskv.engine.scheduler import Scheduler
@@ -78,15 +79,18 @@ class LLMEngine:
                                      self.weights_bytes(), self.profile_activation_bytes())
         if self.tp:
             gpu_blocks = self.tp.agree_min(gpu_blocks)
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager
         kv = build_kv(kv_model_config, cache_cfg, kv_cfg, gpu_blocks, self.max_model_len,
-                      config.scheduler.max_num_seqs, self.dtype, self.device)
+                      config.scheduler.max_num_seqs, self.dtype, self.device, timing=not use_graphs)
         self.pool, self.host, self.policy, self.allocator = kv.pool, kv.host, kv.policy, kv.allocator
         if self.tp:
             attach_score_combiner(self.policy, self.tp, self.model_config)
         self.kv_description = kv.description
         sched_cfg = dataclasses.replace(config.scheduler, max_num_seqs=kv.max_running)
         self.scheduler = Scheduler(sched_cfg, self.allocator, self.block_size, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.policy, self.block_size, self.device)
+        graphs = DecodeGraphs(self.model, self.policy) if use_graphs else None
+        self.runner = ModelRunner(self.model, self.policy, self.block_size, self.device, graphs,
+                                  max_blocks=-(-self.max_model_len // self.block_size))
         self.drafter = None  # oasis mode: guesses each request's next token for the lookahead
         if self.policy.wants_drafts:
             self.drafter = build_draft_source(config.kv, self.model, self.device, self.dtype, config.model)
@@ -118,8 +122,9 @@ class LLMEngine:
         return int(peak * 1.2) + (256 << 20)
 
     def stats_dict(self) -> dict:
+        graphs = self.runner.graphs.counts if self.runner.graphs else {}
         tp = self.tp.stats() if self.tp else {}
-        return {"kv_mode": self.policy.name, **self.stats.as_dict(), **self.policy.stats(), **tp}
+        return {"kv_mode": self.policy.name, **self.stats.as_dict(), **graphs, **self.policy.stats(), **tp}
 
     def close(self) -> None:
         """Stops the other tensor-parallel ranks (also done when the engine is garbage-collected)."""

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from oasiskv.engine.cuda_graph import DecodeGraphs
 from oasiskv.engine.scheduler import ScheduledChunk, SchedulerOutput
 from oasiskv.models.llama import CausalLM
 from oasiskv.policies.base import AttentionMetadata, KVPolicy, PrefillSpan
@@ -19,17 +20,25 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, policy: KVPolicy, block_size: int, device: torch.device):
+    def __init__(self, model: CausalLM, policy: KVPolicy, block_size: int, device: torch.device,
+                 graphs: DecodeGraphs | None = None, max_blocks: int = 0):
+        """graphs: replay decode-only steps from CUDA graphs; their block tables are then max_blocks wide."""
         self.model, self.policy, self.block_size, self.device = model, policy, block_size, device
+        self.graphs, self.max_blocks = graphs, max_blocks
         self.capture_layers: tuple[int, ...] = ()
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> StepResult:
         chunks = order_decodes_first(plan.chunks)
-        ids, positions, meta = self.prepare(chunks)
+        graphable = self.graphs is not None and all(len(c.token_ids) == 1 and c.sample for c in chunks)
+        ids, positions, meta = self.prepare(chunks, self.max_blocks if graphable else 0)
         self.policy.begin_step(meta)
-        hidden, captured = self.model(ids, positions, self.policy, self.capture_layers)
+        replayed = self.graphs.run(ids, positions, meta, self.capture_layers) if graphable else None
         real = len(ids) - meta.num_draft
+        if replayed is not None:
+            logits, captured = replayed
+            return StepResult([c.request_id for c in chunks], logits, [c[:real] for c in captured], chunks)
+        hidden, captured = self.model(ids, positions, self.policy, self.capture_layers)
         captured = [c[:real] for c in captured]
         ends, sampling = [], []
         offset = 0
@@ -42,7 +51,8 @@ class ModelRunner:
         logits = self.model.logits(hidden[rows]) if ends else hidden.new_zeros(0, 0, dtype=torch.float32)
         return StepResult(sampling, logits, captured, chunks)
 
-    def prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare(self, chunks: list[ScheduledChunk], table_width: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
         ids, positions, slot_blocks = [], [], []
         for c in chunks:
@@ -62,7 +72,7 @@ class ModelRunner:
             slot_blocks=torch.tensor(slot_blocks, dtype=torch.long).to(dev, non_blocking=True),
             slot_offsets=(pos_t[:len(slot_blocks)] % bs).to(dev, non_blocking=True),
             num_decode=num_decode,
-            decode_block_tables=block_table_tensor([c.block_ids for c in decodes]).to(dev, non_blocking=True),
+            decode_block_tables=block_table_tensor([c.block_ids for c in decodes], table_width).to(dev, non_blocking=True),
             decode_seq_lens=torch.tensor([c.start + 1 for c in decodes], dtype=torch.int32).to(dev, non_blocking=True),
             decode_max_seq_len=max((c.start + 1 for c in decodes), default=0),
             decode_seq_lens_host=[c.start + 1 for c in decodes],
@@ -88,8 +98,9 @@ def order_decodes_first(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
     return [c for c in chunks if len(c.token_ids) == 1] + [c for c in chunks if len(c.token_ids) > 1]
 
 
-def block_table_tensor(tables: list[list[int]]) -> torch.Tensor:
-    width = max((len(t) for t in tables), default=0)
+def block_table_tensor(tables: list[list[int]], width: int = 0) -> torch.Tensor:
+    """int32 [len(tables), width]: each list, zero-padded (width 0: the longest list's)."""
+    width = max(width, max((len(t) for t in tables), default=0))
     out = torch.zeros(len(tables), max(width, 1), dtype=torch.int32)
     for i, t in enumerate(tables):
         out[i, : len(t)] = torch.tensor(t, dtype=torch.int32)

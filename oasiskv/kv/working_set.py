@@ -27,6 +27,7 @@ class WorkingSet:
         self._free_rows = list(range(rows))
         self._row_of: dict[str, int] = {}
         self.base = torch.arange(rows, device=device, dtype=torch.int64)[:, None] * slots_per_row
+        self.none = torch.full((), -1, dtype=torch.int32, device=device)  # a tensor: a scalar would be copied in
 
     # -- rows (ints) ----------------------------------------------------------------------------
     @property
@@ -54,14 +55,15 @@ class WorkingSet:
         """int32 [B, num_blocks]: slot of each logical block, -1 if not resident (a copy, not a view)."""
         return self.slot_of[layer, rows, :num_blocks]
 
-    def place(self, layer: int, rows: torch.Tensor, wanted: torch.Tensor, protect: torch.Tensor, step: int
+    def place(self, layer: int, rows: torch.Tensor, wanted: torch.Tensor, protect: torch.Tensor,
+              step: int | torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Makes the logical blocks `wanted` (int32 [B, K], -1 = none, distinct within a row) resident
         in each row's slots. Blocks in `protect` (bool [B, num_blocks]: the blocks that must stay, which
         include wanted) are never evicted; among the others, empty slots go first, then the least
         recently used. Returns (miss mask [B, K], global slot [B, K], -1 where nothing is wanted) for
         the blocks that were not resident: the caller fills those slots. Needs at most `width`
-        protected blocks per row."""
+        protected blocks per row. `step` (an int or a 0-d device tensor) marks the wanted blocks as used."""
         valid = wanted >= 0
         w = torch.where(valid, wanted.long(), self.max_blocks)  # none -> the spare column (holds -1)
         slots = self._slot_of[layer, rows].gather(1, w)
@@ -82,7 +84,7 @@ class WorkingSet:
         base, rows = self.base[rows], rows[:, None]
         old = self._block_of[layer, rows, victim].long()
         old = torch.where(miss & (old >= 0), old, self.max_blocks)
-        self._slot_of[layer, rows, old] = -1
+        self._slot_of[layer, rows, old] = self.none
         self._block_of[layer, rows, victim] = torch.where(miss, w, -1).to(torch.int32)
         new_slot = torch.where(miss, base + victim, -1).to(torch.int32)
         self._slot_of[layer, rows, torch.where(miss, w, self.max_blocks)] = new_slot

@@ -36,16 +36,41 @@ class AttentionMetadata:
     decode_seq_lens_host: list[int] | None = None  # decode_seq_lens on the host, for decisions without a sync
 
 
+def length_bucket(max_seq_len: int, step: int = 1024) -> int:
+    """A decode attention length hint that changes only every `step` tokens: a CUDA graph captured at
+    one hint serves every length up to it."""
+    return -(-max(max_seq_len, 1) // step) * step
+
+
 class KVPolicy:
-    """One engine, several policies: each decides where K/V lives and what a query attends to."""
+    """One engine, several policies: each decides where K/V lives and what a query attends to.
+
+    CUDA graphs (engine/cuda_graph.py) capture the forward pass of a decode-only step. A policy takes
+    part by naming, in STEP_TENSORS, the device tensors its begin_step makes afresh each step (copied
+    into the captured ones before a replay), and by returning from graph_key() what its captured
+    code depends on (host flags baked in at capture), or None when this step must run eagerly."""
 
     name = "base"
     wants_drafts = False  # True: the runner adds a draft token beside each decode token
+    STEP_TENSORS: tuple[str, ...] = ()
     # tensor parallelism: this rank's block scores [B, blocks] -> the whole model's (distributed/scores.py)
     combine_scores = None
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         self.meta = meta
+
+    def graph_key(self):
+        """After begin_step: a hashable description of this step's captured code, or None (eager)."""
+        return None
+
+    def before_replay(self) -> None:
+        """Before a graph replay: order it after work that eager steps left on other streams."""
+
+    def begin_capture(self) -> None:
+        """At the start of a captured forward: bring every stream the policy uses into the capture."""
+
+    def end_capture(self) -> None:
+        """At the end of a captured forward: join every stream the capture forked."""
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from oasiskv.kernels.paged_decode import paged_decode_attention, paged_decode_reference
 from oasiskv.kv.gpu_pool import KVPool
-from oasiskv.policies.base import AttentionMetadata, KVPolicy, PrefillSpan
+from oasiskv.policies.base import AttentionMetadata, KVPolicy, PrefillSpan, length_bucket
 
 
 def write_kv(kv_layer: torch.Tensor, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -51,6 +51,9 @@ class DensePolicy(KVPolicy):
         self.pool, self.scale = pool, scale
         self.use_triton = pool.kv.is_cuda
 
+    def graph_key(self):
+        return ("dense", length_bucket(self.meta.decode_max_seq_len))
+
     def attend(self, layer, q, k, v):
         kv_layer = self.pool.layer(layer)
         meta = self.meta
@@ -60,7 +63,7 @@ class DensePolicy(KVPolicy):
         if nd:
             args = (q[:nd], kv_layer, meta.decode_block_tables, meta.decode_seq_lens, self.scale)
             if self.use_triton:
-                out[:nd] = paged_decode_attention(*args, max_seq_len=meta.decode_max_seq_len)
+                out[:nd] = paged_decode_attention(*args, max_seq_len=length_bucket(meta.decode_max_seq_len))
             else:
                 out[:nd] = paged_decode_reference(*args)
         for span in meta.prefills:

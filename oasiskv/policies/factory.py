@@ -29,8 +29,9 @@ class KVSetup:
 
 
 def build_kv(model_cfg: ModelConfig, cache: CacheConfig, kv: KVConfig, gpu_kv_blocks: int, max_model_len: int,
-             max_num_seqs: int, dtype: torch.dtype, device: torch.device) -> KVSetup:
-    """gpu_kv_blocks: how many KV blocks the device memory left for KV can hold."""
+             max_num_seqs: int, dtype: torch.dtype, device: torch.device, timing: bool = True) -> KVSetup:
+    """gpu_kv_blocks: how many KV blocks the device memory left for KV can hold. timing: phase timers
+    (on the GPU they synchronise, so CUDA graphs need them off)."""
     kv.validate(cache.block_size, model_cfg.num_layers)
     bs, scale = cache.block_size, model_cfg.head_dim ** -0.5
     if kv.mode == "dense":
@@ -41,12 +42,13 @@ def build_kv(model_cfg: ModelConfig, cache: CacheConfig, kv: KVConfig, gpu_kv_bl
         blocks = gpu_kv_blocks if cache.num_kv_blocks else gpu_kv_blocks * bs // (bs + 1)  # room for summaries
         pool = KVPool(model_cfg, blocks, bs, dtype, device)
         summaries = BlockSummaries(model_cfg, blocks, dtype, device)
-        policy = QuestPolicy(pool, kv, summaries, bs, scale, device)
+        policy = QuestPolicy(pool, kv, summaries, bs, scale, device, timing)
         return KVSetup(policy, BlockAllocator(blocks), max_num_seqs, pool, None, f"quest: {blocks} GPU blocks")
-    return build_retrieval(model_cfg, cache, kv, gpu_kv_blocks, max_model_len, max_num_seqs, dtype, device)
+    return build_retrieval(model_cfg, cache, kv, gpu_kv_blocks, max_model_len, max_num_seqs, dtype, device, timing)
 
 
-def build_retrieval(model_cfg, cache, kv, gpu_kv_blocks, max_model_len, max_num_seqs, dtype, device) -> KVSetup:
+def build_retrieval(model_cfg, cache, kv, gpu_kv_blocks, max_model_len, max_num_seqs, dtype, device,
+                    timing: bool = True) -> KVSetup:
     bs, per_block = cache.block_size, bytes_per_block(model_cfg, cache.block_size, dtype)
     host_blocks = host_block_count(cache, kv, per_block, device)
     width = kv.budget // bs + (kv.mode == "oasis")  # oasis: room for the block a draft token opens
@@ -60,7 +62,7 @@ def build_retrieval(model_cfg, cache, kv, gpu_kv_blocks, max_model_len, max_num_
     ws = WorkingSet(model_cfg.num_layers, rows, width, -(-max_model_len // bs) + 1, device)
     summaries = BlockSummaries(model_cfg, host_blocks, dtype, device)
     policy_class = OasisPolicy if kv.mode == "oasis" else RetrievalPolicy
-    policy = policy_class(pool, host, ws, kv, summaries, bs, model_cfg.head_dim ** -0.5, device)
+    policy = policy_class(pool, host, ws, kv, summaries, bs, model_cfg.head_dim ** -0.5, device, timing)
     return KVSetup(policy, BlockAllocator(host_blocks), rows, pool, host,
                    f"{kv.mode}: {host_blocks} host blocks ({host.kv.numel() * host.kv.element_size() / GiB:.1f} GiB), "
                    f"{rows} working sets of {width} blocks on the GPU")

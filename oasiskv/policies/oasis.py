@@ -9,7 +9,8 @@ last num_draft rows of the batch). Per layer (see shared/DESIGN.md, "A decode st
      where x_{t+1}'s will, and is overwritten by it next step);
   4. the draft's query selects too: that selection is the prediction for the next step. Its
      non-resident blocks, highest score first and at most `fetch_cap x budget` tokens of them, are
-     gathered from the host store on the copy stream, evicting blocks outside the prediction.
+     gathered from the host store, evicting blocks outside the prediction. On the GPU this whole
+     step (scoring, placement, copies) runs on the copy stream, beside the next layers' compute.
 
 The working-set row holds budget + 1 blocks: a full selection plus the block a draft token opens.
 On the CPU the same steps run synchronously."""
@@ -65,6 +66,7 @@ class OasisPolicy(TieredPolicy):
     wants_drafts = True
     COUNTERS = TieredPolicy.COUNTERS + ("prefetched_blocks", "cold_fetched_blocks", "miss_fetched_blocks",
                                         "agree_hits", "agree_total")
+    STEP_TENSORS = TieredPolicy.STEP_TENSORS + ("cold", "fresh")
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
@@ -102,6 +104,12 @@ class OasisPolicy(TieredPolicy):
         if self.clock:
             self.clock.collect()
 
+    def graph_key(self):
+        """Captured: steps without a cold request (its first decode fetches every miss); whether a draft
+        opens a block is baked in."""
+        key = super().graph_key()
+        return None if key is None or self.any_cold else key + (self.any_opens,)
+
     # -- one layer -----------------------------------------------------------------------------------
     def decode(self, layer, q, k, v, out) -> None:
         meta = self.meta
@@ -126,14 +134,15 @@ class OasisPolicy(TieredPolicy):
         self.flush_counts(layer)
 
     def wait_for_prefetch(self, layer: int) -> None:
-        done = self.prefetched[layer]
-        if done is None:
+        done, self.prefetched[layer] = self.prefetched[layer], None
+        # in a capture, eager steps' copies are waited for before the replay (before_replay), and the
+        # graph's own copies are joined at its end
+        if done is None or torch.cuda.is_current_stream_capturing():
             return
         compute = torch.cuda.current_stream()
         start = self.clock.mark(compute)
         compute.wait_event(done)
         self.clock.close("prefetch_exposed", start, compute)
-        self.prefetched[layer] = None
 
     def resident_selection(self, layer, q, dense) -> torch.Tensor:
         """x_t's selection restricted to what is resident once cold-start (and, with the "fetch"
@@ -182,7 +191,7 @@ class OasisPolicy(TieredPolicy):
         slot = tail_slots
         if self.any_opens:
             protect = self.mask_of(attended) | self.mask_of(opened[:, None])
-            _, slots = self.ws.place(layer, self.rows, opened[:, None], protect, self.step_index)
+            _, slots = self.ws.place(layer, self.rows, opened[:, None], protect, self.step_tensor)
             slot = torch.where(opens, slots[:, 0].long(), tail_slots)
         gpu_kv = self.pool.layer(layer)
         gpu_kv[slot, 0, pos % self.block_size] = k
@@ -201,13 +210,31 @@ class OasisPolicy(TieredPolicy):
         return attend(q, gpu_kv, tables, indptr, indices, seq_lens, self.scale)
 
     def predict_and_prefetch(self, layer, q_draft, draft_lens) -> None:
-        """The draft's selection is the prediction for the next step; its missing blocks are
-        gathered, best first, up to the fetch cap, on the copy stream."""
+        """The draft's selection is the prediction for the next step; its missing blocks are gathered,
+        best first, up to the fetch cap. On the GPU all of it (scoring, placement, copies, their
+        counters) runs on the copy stream, beside the next layers' compute: nothing else touches this
+        layer's working set or slots until the next step's wait_for_prefetch (or the graph's end)."""
+        if not self.cuda:
+            with self.timer("prefetch"):
+                self.predict(layer, q_draft, draft_lens)
+                self.flush_counts(layer, lane=1)
+            return
+        side, capturing = self.copy_stream, torch.cuda.is_current_stream_capturing()
+        side.wait_stream(torch.cuda.current_stream())  # the draft's query, and readers of slots it evicts
+        self.keep_alive((q_draft, draft_lens, self.rows, self.host_tables), side)
+        with torch.cuda.stream(side):
+            start = None if capturing else self.clock.mark(side)  # no timing events in a graph
+            self.predict(layer, q_draft, draft_lens)
+            self.flush_counts(layer, lane=1)
+            if start is not None:
+                self.prefetched[layer] = self.clock.close("prefetch", start, side)
+
+    def predict(self, layer, q_draft, draft_lens) -> None:
+        """On the current stream: prediction, placement, copies (counted in lane 1)."""
         nblocks = ((draft_lens + self.block_size - 1) // self.block_size).to(torch.int32)
-        with self.timer("predict"):
-            scores = self.score_blocks(layer, q_draft, self.host_tables, nblocks)
-            _, prediction = select_blocks_padded(scores, nblocks, self.budget_blocks, self.cfg.sink_blocks,
-                                                 self.cfg.local_blocks)
+        scores = self.score_blocks(layer, q_draft, self.host_tables, nblocks)
+        _, prediction = select_blocks_padded(scores, nblocks, self.budget_blocks, self.cfg.sink_blocks,
+                                             self.cfg.local_blocks)
         ids = prediction.clamp(min=0).long()
         self.predicted[layer, self.rows] = self.mask_of(prediction, self.ws.max_blocks + 1)
         resident = self.ws.table(layer, self.rows, self.host_tables.shape[1]).gather(1, ids) >= 0
@@ -215,24 +242,17 @@ class OasisPolicy(TieredPolicy):
         key = torch.where(wanted, scores.gather(1, ids), float("-inf"))
         best = key.topk(min(self.fetch_cap_blocks, key.shape[1]), dim=1)
         fetch = torch.where(best.values > float("-inf"), prediction.gather(1, best.indices), -1)
-        with self.timer("prefetch"):
-            fetched, _, copies = self.place(layer, fetch, self.mask_of(prediction))
-            if not self.cuda:
-                self.copy_from_host(copies)
-            else:  # timed from when the copy stream can start: after the compute it depends on
-                self.copy_stream.wait_stream(torch.cuda.current_stream())
-                start = self.clock.mark(self.copy_stream)
-                self.copy_from_host(copies, self.copy_stream)
-                self.prefetched[layer] = self.clock.close("prefetch", start, self.copy_stream)
-        self.count("prefetched_blocks", fetched)
-        self.most_prefetched = torch.maximum(self.most_prefetched, fetched.sum(1).max())
+        fetched, _, copies = self.place(layer, fetch, self.mask_of(prediction), lane=1)
+        self.copy_from_host(copies)
+        self.count("prefetched_blocks", fetched, lane=1)
+        torch.maximum(self.most_prefetched, fetched.sum(1).max(), out=self.most_prefetched)
 
     # -- statistics -----------------------------------------------------------------------------------
     def stats(self) -> dict:
         out = super().stats()
         chunk = self.host.chunk_bytes
         hits, total = self.counter_index["agree_hits"], self.counter_index["agree_total"]
-        agreement = self.layer_counts[:, [hits, total]].tolist()
+        agreement = self.layer_counts[0][:, [hits, total]].tolist()
         out["kv_agreement"] = ratio(out["kv_agree_hits"], out["kv_agree_total"])
         out["kv_agreement_per_layer"] = [ratio(h, t) for h, t in agreement]
         out["kv_hit_rate"] = ratio(out["kv_hits"], out["kv_selected_blocks"])

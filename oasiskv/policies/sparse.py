@@ -18,7 +18,7 @@ from oasiskv.kernels.paged_decode import paged_decode_attention, paged_decode_re
 from oasiskv.kernels.sparse_decode import sparse_decode_attention, sparse_decode_reference
 from oasiskv.kv.gpu_pool import KVPool
 from oasiskv.kv.summaries import BlockSummaries
-from oasiskv.policies.base import KVPolicy
+from oasiskv.policies.base import KVPolicy, length_bucket
 from oasiskv.policies.dense import prefill_attention, write_kv
 
 
@@ -61,11 +61,20 @@ class SparsePolicy(KVPolicy):
         self.per_request: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.selected_on_device = torch.zeros((), dtype=torch.int64, device=device)
         self.step_index = 0
+        self.step_tensor = torch.zeros((), dtype=torch.int64, device=device)  # step_index, readable in a graph
 
     def begin_step(self, meta) -> None:
         super().begin_step(meta)
         self.step_index += 1
         self.num_decode_blocks = -(-meta.decode_max_seq_len // self.block_size)
+        self.step_tensor.fill_(self.step_index)
+
+    def graph_key(self):
+        """Steps where every layer attends sparsely are captured; the dense layers' attention length
+        hint is part of the key when there are any."""
+        if self.timer.enabled or self.num_decode_blocks <= self.budget_blocks:
+            return None
+        return ("sparse", length_bucket(self.meta.decode_max_seq_len) if self.cfg.dense_layers else 0)
 
     def request_stats(self, request_id: str) -> dict:
         return dict(self.per_request.pop(request_id, {}))
@@ -108,7 +117,7 @@ class SparsePolicy(KVPolicy):
         if indptr is None:
             args = (q, kv_layer, tables, meta.decode_seq_lens, self.scale)
             if self.cuda:
-                return paged_decode_attention(*args, max_seq_len=meta.decode_max_seq_len)
+                return paged_decode_attention(*args, max_seq_len=length_bucket(meta.decode_max_seq_len))
             return paged_decode_reference(*args)
         attend = sparse_decode_attention if self.cuda else sparse_decode_reference
         return attend(q, kv_layer, tables, indptr, indices, meta.decode_seq_lens, self.scale)

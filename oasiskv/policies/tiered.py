@@ -24,6 +24,7 @@ from oasiskv.policies.sparse import SparsePolicy
 
 class TieredPolicy(SparsePolicy):
     COUNTERS = ("selected_blocks", "hits", "misses", "fetched_blocks", "tail_fetches")
+    STEP_TENSORS = ("rows", "host_tables")
 
     def __init__(self, pool: KVPool, host: HostStore, working_set: WorkingSet, kv_cfg: KVConfig,
                  summaries: BlockSummaries, block_size: int, scale: float, device: torch.device,
@@ -31,34 +32,43 @@ class TieredPolicy(SparsePolicy):
         super().__init__(kv_cfg, summaries, block_size, scale, device, timing)
         self.pool, self.host, self.ws = pool, host, working_set
         self.counter_index = {name: i for i, name in enumerate(self.COUNTERS)}
-        self.row_counts = torch.zeros(working_set.rows, len(self.COUNTERS), dtype=torch.int64, device=device)
-        self.layer_counts = torch.zeros(pool.kv.shape[0], len(self.COUNTERS), dtype=torch.int64, device=device)
-        self.pending: dict[int, torch.Tensor] = {}
+        # one set of counters per stream that counts ("lane" 0: compute, 1: copy): no two streams
+        # accumulate into the same memory
+        self.row_counts = torch.zeros(2, working_set.rows, len(self.COUNTERS), dtype=torch.int64, device=device)
+        self.layer_counts = torch.zeros(2, pool.kv.shape[0], len(self.COUNTERS), dtype=torch.int64, device=device)
+        self.pending: list[dict[int, torch.Tensor]] = [{}, {}]
+        self.counter_ids: dict[tuple[int, ...], torch.Tensor] = {}  # made once: no host copy in a capture
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.capture_refs: list[torch.Tensor] = []  # read by the copy stream in a capture: kept till its end
 
     # -- counters (on the device; read only by stats and at release) ------------------------------
-    def count(self, name: str, per_row: torch.Tensor) -> None:
+    def count(self, name: str, per_row: torch.Tensor, lane: int = 0) -> None:
         """Adds per decode row values ([B] or [B, K] summed over K) to counter `name` (applied by
-        flush_counts, in one go per layer)."""
+        flush_counts, in one go per layer and lane)."""
         if per_row.dim() == 2:
             per_row = per_row.sum(1)
-        i = self.counter_index[name]
-        self.pending[i] = per_row if i not in self.pending else self.pending[i] + per_row
+        i, pending = self.counter_index[name], self.pending[lane]
+        pending[i] = per_row if i not in pending else pending[i] + per_row
 
-    def flush_counts(self, layer: int) -> None:
-        if not self.pending:
+    def flush_counts(self, layer: int, lane: int = 0) -> None:
+        pending = self.pending[lane]
+        if not pending:
             return
-        index = torch.tensor(list(self.pending), device=self.row_counts.device)
-        values = torch.stack(list(self.pending.values())).long()  # [counters, B]
-        self.row_counts.index_put_((self.rows[None, :], index[:, None]), values, accumulate=True)
-        self.layer_counts[layer].index_add_(0, index, values.sum(1))
-        self.pending = {}
+        key = tuple(pending)
+        if key not in self.counter_ids:
+            self.counter_ids[key] = torch.tensor(key, device=self.row_counts.device)
+        index = self.counter_ids[key]
+        values = torch.stack(list(pending.values())).long()  # [counters, B]
+        self.row_counts[lane].index_put_((self.rows[None, :], index[:, None]), values, accumulate=True)
+        self.layer_counts[lane, layer].index_add_(0, index, values.sum(1))
+        self.pending[lane] = {}
 
     def release(self, request_id: str) -> None:
+        self.wait_for_copies()  # the copy stream may still be counting for this row
         if request_id in self.ws._row_of:
             row = self.ws.row(request_id)
-            values = self.row_counts[row].tolist()
-            self.row_counts[row] = 0
+            values = self.row_counts[:, row].sum(0).tolist()
+            self.row_counts[:, row] = 0
             mine = self.per_request[request_id]
             for name, v in zip(self.COUNTERS, values):
                 mine[f"kv_{name}"] += v
@@ -67,7 +77,8 @@ class TieredPolicy(SparsePolicy):
         self.ws.release(request_id)
 
     def stats(self) -> dict:
-        live = self.row_counts.sum(0).tolist()
+        self.wait_for_copies()
+        live = self.row_counts.sum((0, 1)).tolist()
         out = {f"kv_{name}": self.counts.get(name, 0) + v for name, v in zip(self.COUNTERS, live)}
         out["kv_bytes_gathered"] = out["kv_fetched_blocks"] * self.host.chunk_bytes
         out.update({f"kv_time_{k}_s": round(v, 6) for k, v in self.timer.totals.items()})
@@ -146,15 +157,15 @@ class TieredPolicy(SparsePolicy):
         self.copy_from_host(copies, stream)
         return miss, slots
 
-    def place(self, layer, wanted, protect, only=None):
+    def place(self, layer, wanted, protect, only=None, lane: int = 0):
         """The working-set half of fetch: slots for `wanted`, and the copies that fill the missing
         ones as (layer ids, host blocks, slots) lists with -1 for no copy."""
-        miss, slots = self.ws.place(layer, self.rows, wanted, protect, self.step_index)
+        miss, slots = self.ws.place(layer, self.rows, wanted, protect, self.step_tensor)
         copy = miss if only is None else miss & only
         src = torch.where(copy, self.host_tables.gather(1, wanted.clamp(min=0).long()), -1).to(torch.int32)
         dst = torch.where(copy, slots, -1).to(torch.int32)
         src, dst = src.reshape(-1), dst.reshape(-1)
-        self.count("fetched_blocks", copy)
+        self.count("fetched_blocks", copy, lane)
         return miss, slots, (torch.full_like(src, layer), src, dst)
 
     def copy_from_host(self, copies, stream=None) -> None:
@@ -163,8 +174,7 @@ class TieredPolicy(SparsePolicy):
             return
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())  # the lists, and readers of evicted slots
-            for t in copies:
-                t.record_stream(stream)
+            self.keep_alive(copies, stream)
         gather_host_blocks(self.host.kv, self.pool.kv, *copies, stream=stream)
 
     def spill_full_tails(self, layer, fill, tail_slots, tail_host) -> None:
@@ -179,13 +189,32 @@ class TieredPolicy(SparsePolicy):
             store_blocks_to_host_reference(self.pool.kv, self.host.kv, layers[keep], src[keep], dst[keep])
             return
         self.copy_stream.wait_stream(torch.cuda.current_stream())
-        for t in (src, dst, layers):
-            t.record_stream(self.copy_stream)
+        self.keep_alive((src, dst, layers), self.copy_stream)
         store_blocks_to_host(self.pool.kv, self.host.kv, layers, src, dst, stream=self.copy_stream)
 
     def wait_for_copies(self) -> None:
         if self.cuda:
             torch.cuda.current_stream().wait_stream(self.copy_stream)
+
+    def before_replay(self) -> None:
+        self.wait_for_copies()
+
+    def begin_capture(self) -> None:
+        self.copy_stream.wait_stream(torch.cuda.current_stream())
+
+    def end_capture(self) -> None:
+        self.wait_for_copies()
+        self.capture_refs.clear()
+
+    def keep_alive(self, tensors, stream) -> None:
+        """Tensors made on the compute stream that `stream` reads: their memory must not be reused
+        before it has. Eagerly the caching allocator is told so; in a capture (where record_stream
+        does not order reuse) they are held until the capture's end, after its streams join."""
+        if torch.cuda.is_current_stream_capturing():
+            self.capture_refs.extend(tensors)
+            return
+        for t in tensors:
+            t.record_stream(stream)
 
 
 class RetrievalPolicy(TieredPolicy):

@@ -1,0 +1,170 @@
+"""One offline workload through one engine, measured like `vllm bench throughput`.
+
+N random-token prompts (seeded: every mode gets the same ones) of input_len tokens each generate exactly
+output_len tokens, greedily. At most `concurrency` requests are in the engine at once (a new one is added as
+one finishes), so a mode runs at the concurrency it can hold and never preempts. Reported, as vLLM does:
+requests/s, output tokens/s and total (prompt + output) tokens/s over the whole run, prefill included; and
+beside it the steady state: pure decode steps (no prefill chunk in them), their time per step, the HBM bytes
+they must read (weights + KV, the memory roofline), PCIe bytes per step and the policy's hit rate and
+agreement.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from oasiskv.bench.report import sig
+from oasiskv.config import SamplingParams
+
+KV_COUNTERS = ("kv_bytes_gathered", "kv_prefetch_bytes", "kv_agree_hits", "kv_agree_total", "kv_hits",
+               "kv_selected_blocks", "kv_misses", "kv_time_prefetch_s", "kv_time_prefetch_exposed_s")
+
+
+def random_prompts(num: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    vocab = min(vocab_size, 32000)
+    return torch.randint(0, vocab, (num, input_len), generator=gen).tolist()
+
+
+def kv_bytes_read(engine, tokens: int) -> int:
+    """HBM bytes one decode step reads for one request's KV: every token (dense), or the budget plus
+    the block summaries (sparse modes; a block's summary is the size of one token's K and V)."""
+    per_token = engine.kv_bytes_per_token
+    if engine.policy.name == "dense":
+        return tokens * per_token
+    budget = engine.config.kv.budget
+    return (min(tokens, budget) + -(-tokens // engine.block_size)) * per_token
+
+
+def kv_deltas(before: dict, after: dict) -> dict:
+    return {k: after[k] - before.get(k, 0) for k in KV_COUNTERS if k in after}
+
+
+def max_concurrency(engine, input_len: int, output_len: int) -> int:
+    """Requests of this length the mode holds at once: its KV memory (GPU pool for dense and quest, host
+    store for retrieval and oasis) and its running limit (working-set rows, --max-num-seqs)."""
+    fit = engine.max_concurrency(input_len + output_len)
+    if fit < 1:
+        raise ValueError(f"{engine.policy.name}: not one request of {input_len + output_len} tokens fits the KV "
+                         "memory; raise --gpu-memory-gb / --host-kv-gb or shorten the request")
+    return fit
+
+
+def warm_up(engine, input_len: int, steps: int, seed: int) -> None:
+    """One request through prefill and a few decode steps, untimed: the kernels compile here."""
+    if steps < 1:
+        return
+    prompt = random_prompts(1, input_len, engine.model_config.vocab_size, seed + 10_000)[0]
+    rid = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True))
+    while not engine.requests[rid].finished:
+        engine.step()
+    engine.pop_finished(rid)
+
+
+@dataclass
+class StepLog:
+    """What the run saw, step by step (pure decode steps only for the byte counts)."""
+
+    decode_steps: int = 0  # steps with only decodes in them
+    decode_time_s: float = 0.0
+    decode_tokens: int = 0
+    hbm_bytes: int = 0  # weights + KV the pure decode steps must read
+    steps_with_decodes: int = 0
+    max_held: int = 0  # most requests decoding in one step
+
+
+def run_workload(engine, prompts: list[list[int]], output_len: int, concurrency: int, desc: str = "") -> dict:
+    """Runs every prompt to output_len tokens with at most `concurrency` in flight. Returns the metrics."""
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    queue, live, done = list(prompts), [], []
+    log, weights = StepLog(), engine.weights_bytes()
+    stats0, before = dict(engine.stats.as_dict()), engine.policy.stats()
+    bar = tqdm(total=len(prompts) * output_len, desc=desc or engine.policy.name, unit="tok", leave=False)
+    t_start = time.perf_counter()
+    while queue or live:
+        while queue and len(live) < concurrency:
+            live.append(engine.add_request(queue.pop(0), params))
+        decoding = [engine.requests[r] for r in live
+                    if engine.requests[r].num_computed_tokens >= len(engine.requests[r].prompt_token_ids)]
+        kv = sum(kv_bytes_read(engine, r.num_tokens) for r in decoding)
+        prefill0, decode0 = engine.stats.prefill_tokens, engine.stats.decode_tokens
+        out0 = sum(len(engine.requests[r].output_token_ids) for r in live)
+        t = time.perf_counter()
+        finished = engine.step()
+        dt = time.perf_counter() - t
+        record_step(log, dt, engine.stats.decode_tokens - decode0, engine.stats.prefill_tokens - prefill0,
+                    weights + kv)
+        bar.update(sum(len(engine.requests[r].output_token_ids) for r in live) - out0)
+        for req in finished:
+            live.remove(req.request_id)
+            done.append(engine.pop_finished(req.request_id))
+    elapsed = time.perf_counter() - t_start
+    bar.close()
+    return summarize(engine, done, log, elapsed, stats0, kv_deltas(before, engine.policy.stats()), concurrency)
+
+
+def record_step(log: StepLog, dt: float, decodes: int, prefills: int, step_bytes: int) -> None:
+    log.max_held = max(log.max_held, decodes)
+    log.steps_with_decodes += decodes > 0
+    if decodes and not prefills:
+        log.decode_steps += 1
+        log.decode_time_s += dt
+        log.decode_tokens += decodes
+        log.hbm_bytes += step_bytes
+
+
+def summarize(engine, done, log: StepLog, elapsed: float, stats0: dict, kv: dict, concurrency: int) -> dict:
+    n_in = sum(len(r.prompt_token_ids) for r in done)
+    n_out = sum(len(r.output_token_ids) for r in done)
+    tpots = [(r.finish_time - r.first_token_time) / (len(r.output_token_ids) - 1)
+             for r in done if len(r.output_token_ids) > 1]
+    ttfts = [r.first_token_time - r.arrival_time for r in done]
+    steps = max(log.steps_with_decodes, 1)
+    row = {
+        "mode": engine.policy.name, "num_prompts": len(done), "concurrency": concurrency,
+        "max_concurrency_held": log.max_held, "input_len": len(done[0].prompt_token_ids) if done else 0,
+        "output_len": max((len(r.output_token_ids) for r in done), default=0),
+        "elapsed_s": sig(elapsed, 6), "requests_per_s": sig(len(done) / elapsed, 6),
+        "output_tok_s": sig(n_out / elapsed, 6), "total_tok_s": sig((n_in + n_out) / elapsed, 6),
+        "mean_ttft_s": round(sum(ttfts) / len(ttfts), 4) if ttfts else None,
+        "mean_tpot_ms": round(1000 * sum(tpots) / len(tpots), 3) if tpots else None,
+        "preemptions": engine.stats.preemptions - stats0["preemptions"],
+        "pure_decode_steps": log.decode_steps,
+        "pcie_gb_per_step": sig(kv.get("kv_bytes_gathered", 0) / steps / 1e9),
+        "prefetch_gb_per_step": sig(kv["kv_prefetch_bytes"] / steps / 1e9) if "kv_prefetch_bytes" in kv else None,
+        "hit_rate": ratio(kv.get("kv_hits"), kv.get("kv_selected_blocks")),
+        "agreement": ratio(kv.get("kv_agree_hits"), kv.get("kv_agree_total")),
+        "prefetch_exposed_ms_per_step": round(1000 * kv["kv_time_prefetch_exposed_s"] / steps, 3)
+        if "kv_time_prefetch_exposed_s" in kv else None,
+    }
+    row.update(steady_state(log))
+    return row
+
+
+def steady_state(log: StepLog) -> dict:
+    if not log.decode_steps:
+        return {"decode_step_ms": None, "decode_tok_s": None, "hbm_gb_per_step": None}
+    return {"decode_step_ms": round(1000 * log.decode_time_s / log.decode_steps, 3),
+            "decode_tok_s": round(log.decode_tokens / log.decode_time_s, 2),
+            "hbm_gb_per_step": sig(log.hbm_bytes / log.decode_steps / 1e9),
+            "decode_batch": round(log.decode_tokens / log.decode_steps, 2),
+            "_hbm_bytes": log.hbm_bytes, "_decode_time_s": log.decode_time_s, "_decode_tokens": log.decode_tokens}
+
+
+def add_roofline(row: dict, hbm_gbps: float) -> dict:
+    """Memory roofline of the pure decode steps: the bytes they must read at `hbm_gbps`, against the time
+    they took. Removes the raw totals it used from the row."""
+    total, secs, tokens = row.pop("_hbm_bytes", 0), row.pop("_decode_time_s", 0), row.pop("_decode_tokens", 0)
+    if not secs:
+        return row
+    floor_s = total / (hbm_gbps * 1e9)
+    row.update(hbm_gbps=sig(hbm_gbps), achieved_gbps=sig(total / secs / 1e9),
+               roofline_tok_s=sig(tokens / floor_s), roofline_fraction=sig(floor_s / secs))
+    return row
+
+
+def ratio(a, b):
+    return round(a / b, 6) if a is not None and b else None

@@ -1,0 +1,86 @@
+"""CUDA graphs for decode-only steps: one captured forward pass (model, policy, logits) per batch shape
+and policy key, replayed with the step's inputs copied into the captured tensors.
+
+A decode step launches thousands of small kernels (selection, placement, counters per layer); replaying
+them as one graph removes the Python and launch cost that otherwise bounds the step. What a capture
+bakes in: every host int and flag the code read (batch size, table width, the policy's graph_key()),
+and the identity of every input tensor. So:
+  - the runner builds decode block tables at one fixed width (the longest request's blocks);
+  - the policy names the per-step tensors its begin_step makes (STEP_TENSORS), copied in before replay;
+  - a key seen for the first time runs eagerly (Triton compiles, the allocator warms up); the second
+    time it is captured (capturing records, it does not run) and then replayed.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from oasiskv.models.llama import CausalLM
+from oasiskv.policies.base import AttentionMetadata, KVPolicy
+
+META_TENSORS = ("slot_blocks", "slot_offsets", "decode_block_tables", "decode_seq_lens")
+
+
+@dataclass
+class CapturedStep:
+    graph: torch.cuda.CUDAGraph
+    inputs: dict[str, torch.Tensor]  # ids, positions and the metadata tensors the capture read
+    step_tensors: dict[str, torch.Tensor]  # the policy's STEP_TENSORS as captured
+    logits: torch.Tensor  # [num_decode, vocab] fp32, rewritten by each replay
+    captured: list[torch.Tensor]  # hidden states of the capture layers, rewritten by each replay
+
+    def load(self, ids, positions, meta: AttentionMetadata, policy: KVPolicy) -> None:
+        fresh = {"ids": ids, "positions": positions, **{name: getattr(meta, name) for name in META_TENSORS}}
+        for name, t in self.inputs.items():
+            t.copy_(fresh[name], non_blocking=True)
+        for name, t in self.step_tensors.items():
+            t.copy_(getattr(policy, name), non_blocking=True)
+
+
+class DecodeGraphs:
+    def __init__(self, model: CausalLM, policy: KVPolicy, max_graphs: int = 32):
+        self.model, self.policy, self.max_graphs = model, policy, max_graphs
+        self.pool = torch.cuda.graph_pool_handle()  # shared: graphs never run at the same time
+        self.graphs: OrderedDict[tuple, CapturedStep] = OrderedDict()
+        self.seen: set[tuple] = set()
+        self.counts = {"cuda_graph_replays": 0, "cuda_graph_captures": 0}
+
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            capture_layers: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """Runs the step's forward pass from a graph: (logits of the decode rows, captured states), or
+        None when it must run eagerly. The policy's begin_step(meta) has run."""
+        policy_key = self.policy.graph_key()
+        if policy_key is None:
+            return None
+        key = (len(ids), meta.num_decode, tuple(meta.decode_block_tables.shape), capture_layers) + policy_key
+        step = self.graphs.get(key)
+        if step is None:
+            if key not in self.seen:
+                self.seen.add(key)
+                return None
+            step = self.capture(key, ids, positions, meta, capture_layers)
+        else:
+            self.graphs.move_to_end(key)
+            step.load(ids, positions, meta, self.policy)
+        self.policy.before_replay()
+        step.graph.replay()
+        self.counts["cuda_graph_replays"] += 1
+        return step.logits, step.captured
+
+    def capture(self, key, ids, positions, meta, capture_layers) -> CapturedStep:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.policy.begin_capture()
+            hidden, captured = self.model(ids, positions, self.policy, capture_layers)
+            logits = self.model.logits(hidden[: meta.num_decode])
+            self.policy.end_capture()
+        inputs = {"ids": ids, "positions": positions, **{name: getattr(meta, name) for name in META_TENSORS}}
+        step_tensors = {name: getattr(self.policy, name) for name in self.policy.STEP_TENSORS}
+        step = CapturedStep(graph, inputs, step_tensors, logits, captured)
+        self.graphs[key] = step
+        if len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)
+        self.counts["cuda_graph_captures"] += 1
+        return step

@@ -1,0 +1,156 @@
+"""GPU check of CUDA-graph replay: every mode must give the same greedy tokens and the same KV counters
+with graphs as without (--enforce-eager), and oasis with a perfect draft and no cap must give quest's
+tokens. Random-weight model in fp32, so that the comparison is about the machinery. Then the decode
+step time with and without graphs, per mode, at a larger batch. Prints a table; exits non-zero on a
+mismatch.
+
+    PYTHONPATH=. python scripts/gpu_graph_check.py [--model qwen3-0.6b] [--context 2048] [--steps 64]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from oasiskv.config import CacheConfig, EngineConfig, KVConfig, SamplingParams, SchedulerConfig
+from oasiskv.engine.engine import LLMEngine
+from scripts.gpu_oasis_check import TeacherDraft
+
+COUNTERS = ("kv_selected_blocks", "kv_hits", "kv_misses", "kv_prefetched_blocks", "kv_fetched_blocks",
+            "kv_agree_hits", "kv_agree_total")
+
+
+def engine_for(args, mode: str, eager: bool, dtype: str, context: int, steps: int, **kv) -> LLMEngine:
+    cfg = EngineConfig(model=args.model, load_format="dummy", dtype=dtype, show_progress=False, enforce_eager=eager,
+                       kv=KVConfig(mode=mode, budget=args.budget, host_kv_gb=args.host_gb, **kv),
+                       cache=CacheConfig(gpu_memory_gb=args.gpu_gb),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=16384, max_model_len=context + steps + 64))
+    return LLMEngine(cfg)
+
+
+def generate(engine: LLMEngine, prompts, steps: int, teacher=None):
+    if teacher is not None:
+        engine.drafter = teacher
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, request_id=str(i))
+    while engine.has_unfinished():
+        engine.step()
+    torch.cuda.synchronize()
+    return {str(i): engine.requests[str(i)].output_token_ids for i in range(len(prompts))}, engine.stats_dict()
+
+
+def prompts_for(batch: int, context: int, stride: int = 37):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 32000, (context + stride * i,), generator=gen).tolist() for i in range(batch)]
+
+
+def same_share(a: dict, b: dict) -> str:
+    """Share of equal tokens, and the first divergence (request, index)."""
+    pairs = [(rid, i, x == y) for rid in a for i, (x, y) in enumerate(zip(a[rid], b[rid]))]
+    first = next(((rid, i) for rid, i, same in pairs if not same), None)
+    return f"{sum(same for *_, same in pairs) / max(len(pairs), 1):.3f} (first divergence {first})"
+
+
+def check(args) -> bool:
+    prompts = prompts_for(args.batch, args.context)
+    ok, quest_tokens = True, None
+    for mode in args.check_modes.split(","):
+        runs = {}
+        for eager in (True, False):
+            teacher = None
+            kv = {}
+            if mode == "oasis":
+                teacher = TeacherDraft({str(i): len(p) for i, p in enumerate(prompts)}, quest_tokens)
+                kv = {"fetch_cap": 1.0}
+            engine = engine_for(args, mode, eager, "float32", args.context, args.steps, **kv)
+            runs[eager] = generate(engine, prompts, args.steps, teacher)
+            del engine
+            torch.cuda.empty_cache()
+        (eager_tokens, eager_stats), (graph_tokens, graph_stats) = runs[True], runs[False]
+        same_counts = all(eager_stats.get(k) == graph_stats.get(k) for k in COUNTERS)
+        line = (f"{mode:10s} graph == eager tokens: {graph_tokens == eager_tokens}  counters equal: {same_counts}  "
+                f"replays {graph_stats.get('cuda_graph_replays')} captures {graph_stats.get('cuda_graph_captures')}")
+        ok &= graph_tokens == eager_tokens and same_counts
+        if mode == "quest":
+            quest_tokens = graph_tokens
+        if mode == "retrieval":
+            line += f"  == quest: {graph_tokens == quest_tokens}"
+            ok &= graph_tokens == quest_tokens
+        if mode == "oasis":  # the draft rows change the GEMMs' M, so cuBLAS may round differently than quest
+            line += (f"  tokens equal to quest: {same_share(graph_tokens, quest_tokens)}  "
+                     f"misses {graph_stats.get('kv_misses')} agreement {graph_stats.get('kv_agreement')}")
+        if not same_counts:
+            line += "\n    eager " + str({k: eager_stats.get(k) for k in COUNTERS})
+            line += "\n    graph " + str({k: graph_stats.get(k) for k in COUNTERS})
+        print(line, flush=True)
+    return ok
+
+
+def time_steps(args) -> list[dict]:
+    rows = []
+    prompts = prompts_for(args.time_batch, args.time_context, stride=0)
+    for mode in args.time_modes.split(","):
+        kv = {"fetch_cap": args.fetch_cap} if mode == "oasis" else {}
+        for eager in (False, True):
+            engine = engine_for(args, mode, eager, "bfloat16", args.time_context, args.time_steps + 8, **kv)
+            params = SamplingParams(temperature=0, max_tokens=args.time_steps + 8, ignore_eos=True)
+            for p in prompts:
+                engine.add_request(p, params)
+            while any(len(r.output_token_ids) < 4 for r in engine.requests.values()):
+                engine.step()
+            torch.cuda.synchronize()
+            t, n = time.perf_counter(), 0
+            while engine.has_unfinished() and n < args.time_steps:
+                engine.step()
+                n += 1
+            torch.cuda.synchronize()
+            ms = (time.perf_counter() - t) / n * 1000
+            st = engine.stats_dict()
+            row = {"mode": mode, "cuda_graphs": not eager, "batch": args.time_batch, "context": args.time_context,
+                   "ms_per_step": round(ms, 2), "tok_per_s": round(args.time_batch / ms * 1000, 1),
+                   **{k: st.get(k) for k in ("kv_prefetch_bytes_per_step", "kv_agreement", "kv_hit_rate",
+                                             "cuda_graph_replays")}}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            del engine
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--budget", type=int, default=512)
+    p.add_argument("--gpu-gb", type=float, default=40)
+    p.add_argument("--host-gb", type=float, default=8)
+    p.add_argument("--time-model", default=None, help="model for the timing part (default: --model)")
+    p.add_argument("--time-context", type=int, default=0, help="0: skip the timing part")
+    p.add_argument("--time-batch", type=int, default=16)
+    p.add_argument("--time-steps", type=int, default=32)
+    p.add_argument("--time-modes", default="quest,oasis,dense,retrieval")
+    p.add_argument("--fetch-cap", type=float, default=0.05)
+    p.add_argument("--skip-check", action="store_true")
+    p.add_argument("--check-modes", default="dense,quest,retrieval,oasis")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    ok = True if args.skip_check else check(args)
+    print(f"check passed: {ok}", flush=True)
+    if args.time_context:
+        args.model = args.time_model or args.model
+        args.budget = 2048
+        rows = time_steps(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

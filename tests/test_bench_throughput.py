@@ -1,0 +1,127 @@
+"""`oasiskv bench throughput`: every mode in one invocation, the two sweeps, the single-mode path, on a tiny
+random model on the CPU. Throughputs are checked against the token counts and times they come from, and
+the concurrency each mode holds against the KV memory worked out by hand."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from oasiskv.bench.workload import max_concurrency
+from oasiskv.cli import main
+from oasiskv.config import CacheConfig, EngineConfig, KVConfig, SchedulerConfig
+from oasiskv.engine.engine import LLMEngine
+from tests.helpers import write_tiny_config
+
+IN, OUT = 128, 4
+BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # layers x (K, V) x block x kv heads x head dim x fp32
+WEIGHTS = 4 * (512 * 64 + 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64)  # fp32, tied
+MODES = ("dense", "quest", "retrieval", "oasis")
+
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_config(tmp_path_factory.mktemp("tiny"))
+
+
+def bench(tiny: str, *extra: str) -> None:
+    main(["bench", "throughput", "--model", tiny, "--load-format", "dummy", "--input-len", str(IN), "--output-len",
+          str(OUT), "--kv-budget", "64", "--sink-blocks", "1", "--local-blocks", "1", "--fetch-cap", "0.5",
+          "--kv-cache-gb", "0.002", "--host-kv-gb", "0.002", "--max-num-batched-tokens", "512",
+          "--warmup-steps", "1", *extra])
+
+
+def test_every_mode_holds_what_its_kv_memory_allows(tiny):
+    blocks = int(0.002 * 2**30) // BLOCK_BYTES  # 262, in the GPU pool (dense, quest) or the host store
+    per_request = -(-(IN + OUT) // 16)
+    expected = {"dense": blocks // per_request, "quest": blocks * 16 // 17 // per_request,  # quest: summaries
+                "retrieval": blocks // per_request, "oasis": blocks // per_request}
+    for mode in MODES:
+        cfg = EngineConfig(model=tiny, load_format="dummy", show_progress=False,
+                           kv=KVConfig(mode=mode, budget=64, sink_blocks=1, local_blocks=1, host_kv_gb=0.002, fetch_cap=0.5),
+                           cache=CacheConfig(kv_cache_gb=0.002), scheduler=SchedulerConfig(max_model_len=1024))
+        assert max_concurrency(LLMEngine(cfg), IN, OUT) == expected[mode], mode
+
+
+def test_modes_side_by_side(tiny, tmp_path, capsys):
+    out = tmp_path / "modes.json"
+    bench(tiny, "--modes", ",".join(MODES), "--max-num-seqs", "3", "--num-prompts", "5", "--profile-step",
+          "--profile-steps", "2", "--json", str(out), "--plot", str(tmp_path / "modes.png"))
+    result = json.loads(out.read_text())
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert list(rows) == list(MODES) and result["kind"] == "modes"
+    assert (tmp_path / "modes.png").stat().st_size > 10_000
+    for mode, r in rows.items():
+        assert r["num_prompts"] == 5 and r["output_len"] == OUT and r["preemptions"] == 0
+        assert r["max_concurrency"] == 3 and r["max_concurrency_held"] == 3  # --max-num-seqs caps every mode
+        assert r["requests_per_s"] == pytest.approx(5 / r["elapsed_s"], rel=1e-3)
+        assert r["output_tok_s"] == pytest.approx(5 * OUT / r["elapsed_s"], rel=1e-3)
+        assert r["total_tok_s"] == pytest.approx(5 * (IN + OUT) / r["elapsed_s"], rel=1e-3)
+        assert r["output_vs_dense"] == pytest.approx(r["output_tok_s"] / rows["dense"]["output_tok_s"], rel=1e-3)
+        assert r["mean_tpot_ms"] > 0 and r["decode_tok_s"] > 0 and r["pure_decode_steps"] > 0
+        # the roofline's bytes: every weight plus at least the KV of one request, at most all of it
+        weights = r["weights_gb"] * 1e9
+        assert weights == pytest.approx(WEIGHTS, rel=1e-3)
+        kv_most = 3 * (IN + OUT) * BLOCK_BYTES / 16  # three requests, every token
+        assert weights < r["hbm_gb_per_step"] * 1e9 <= (weights + kv_most) * 1.001
+        assert r["roofline_tok_s"] == pytest.approx(r["decode_batch"] * r["hbm_gbps"] / r["hbm_gb_per_step"], rel=2e-2)
+        assert 0 < r["roofline_fraction"] < 1
+        assert set(r["step_profile"]["phases_ms"]) >= {"attention", "scheduling", "engine loop (Python)"}
+    assert rows["dense"]["pcie_gb_per_step"] == rows["quest"]["pcie_gb_per_step"] == 0
+    for mode in ("retrieval", "oasis"):
+        assert rows[mode]["pcie_gb_per_step"] > 0 and 0 < rows[mode]["hit_rate"] <= 1
+    assert 0 <= rows["oasis"]["agreement"] <= 1 and rows["retrieval"]["agreement"] is None
+    assert "draft: prediction + prefetch issue" in rows["oasis"]["step_profile"]["phases_ms"]
+    assert "Throughput:" in capsys.readouterr().out
+
+
+def test_compare_to_joins_an_earlier_run(tiny, tmp_path):
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    bench(tiny, "--modes", "dense", "--max-num-seqs", "2", "--json", str(first))
+    bench(tiny, "--modes", "quest", "--max-num-seqs", "2", "--compare-to", str(first), "--json", str(second))
+    rows = json.loads(second.read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["dense", "quest"] and rows[0]["from"] == str(first)
+    assert rows[1]["output_vs_dense"] == pytest.approx(rows[1]["output_tok_s"] / rows[0]["output_tok_s"], rel=1e-3)
+
+
+def test_concurrency_sweep(tiny, tmp_path):
+    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    bench(tiny, "--modes", "dense,oasis", "--max-num-seqs", "4", "--sweep-concurrency", "1,2,8", "--json", str(out),
+          "--plot", str(png))
+    rows = json.loads(out.read_text())["rows"]
+    measured = [(r["mode"], r["concurrency"]) for r in rows if "skipped" not in r]
+    assert measured == [("dense", 1), ("dense", 2), ("dense", 4), ("oasis", 1), ("oasis", 2), ("oasis", 4)]
+    assert [(r["mode"], r["concurrency"]) for r in rows if "skipped" in r] == [("dense", 8), ("oasis", 8)]
+    for r in rows:
+        if "skipped" not in r:
+            assert r["num_prompts"] == r["concurrency"] == r["max_concurrency_held"]
+            assert r["output_tok_s"] == pytest.approx(r["concurrency"] * OUT / r["elapsed_s"], rel=1e-3)
+    assert png.stat().st_size > 10_000
+
+
+def test_fetch_cap_sweep(tiny, tmp_path):
+    out = tmp_path / "caps.json"
+    bench(tiny, "--sweep-fetch-cap", "0.25,1", "--max-num-seqs", "2", "--json", str(out), "--plot",
+          str(tmp_path / "caps.png"))
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["fetch_cap"], r["mode"]) for r in rows] == [(0.25, "oasis"), (1.0, "oasis")]
+    for r in rows:
+        assert r["pcie_gb_per_step"] >= r["prefetch_gb_per_step"] > 0 and 0 <= r["agreement"] <= 1
+    assert (tmp_path / "caps.png").stat().st_size > 10_000
+
+
+def test_single_mode_batches_still_work(tiny, tmp_path):
+    out = tmp_path / "single.json"
+    bench(tiny, "--kv-mode", "quest", "--batch-sizes", "1,2", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["mode"], r["batch"], r["decode_steps"]) for r in rows] == [("quest", 1, OUT), ("quest", 2, OUT)]
+
+
+def test_bad_lists_get_clear_errors(tiny):
+    with pytest.raises(SystemExit, match="--modes takes distinct modes"):
+        bench(tiny, "--modes", "dense,fast")
+    with pytest.raises(SystemExit, match="--sweep-concurrency must be a comma-separated list of ints"):
+        bench(tiny, "--sweep-concurrency", "1,many")
