@@ -5,7 +5,8 @@
 #   3. decode throughput of qwen3-8b (--load-format dummy) at 16K context with --tensor-parallel-size 2:
 #      dense vs oasis, and one GPU of each for reference.
 # Each run is its own process so one failure does not hide the others. Override TP/MODEL/CTX/OUTLEN/
-# BATCHES/OUT for a dry run (e.g. TP=2 CTX=2048 MODEL=qwen3-0.6b on any two GPUs).
+# BATCHES/OUT for a dry run (e.g. TP=2 CTX=2048 MODEL=qwen3-0.6b on any two GPUs). Decode steps replay CUDA
+# graphs that contain the NCCL collectives; if capture fails there, rerun with EXTRA=--enforce-eager.
 set -u
 export PYTHONUNBUFFERED=1
 TP=${TP:-2}; MODEL=${MODEL:-qwen3-8b}; CTX=${CTX:-16384}; OUTLEN=${OUTLEN:-32}; BATCHES=${BATCHES:-1,8,32,max}
