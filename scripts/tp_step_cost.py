@@ -8,7 +8,6 @@ or GPUs (NCCL).
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import torch
@@ -20,7 +19,7 @@ KEYS = ("tp_score_combines", "tp_score_combine_s", "tp_plans_sent", "tp_plan_bro
 
 
 def measure(args, tp: int) -> dict:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))  # the ranks share the CPU cores
+    torch.set_num_threads(args.threads)  # other ranks take (cores // ranks) threads
     extra = {"fetch_cap": args.fetch_cap, "host_kv_gb": args.host_kv_gb} if args.mode == "oasis" else {}
     engine = LLMEngine(EngineConfig(
         model=args.model, load_format=args.load_format, dtype=args.dtype, show_progress=False,
@@ -58,6 +57,7 @@ def main() -> None:
     p.add_argument("--fetch-cap", type=float, default=0.25)
     p.add_argument("--kv-cache-gb", type=float, default=0.3)
     p.add_argument("--host-kv-gb", type=float, default=0.2)
+    p.add_argument("--threads", type=int, default=1, help="rank 0's CPU threads (1: steadier on a shared CPU)")
     args = p.parse_args()
     for tp in (1, args.tp):
         print(measure(args, tp), flush=True)
