@@ -5,9 +5,11 @@ import argparse
 import json
 import sys
 
-from oasiskv.config import DRAFTS, KV_MODES, MISS_POLICIES, CacheConfig, EngineConfig, KVConfig, SamplingParams, SchedulerConfig
+from oasiskv.config import (DRAFTS, KV_MODES, KV_TRANSFERS, MISS_POLICIES, ROLES, CacheConfig, DisaggConfig, EngineConfig,
+                            KVConfig, SamplingParams, SchedulerConfig)
 
 ENGINE_DEFAULTS, CACHE_DEFAULTS, SCHED_DEFAULTS, KV_DEFAULTS = EngineConfig(), CacheConfig(), SchedulerConfig(), KVConfig()
+DISAGG_DEFAULTS = DisaggConfig()
 SAMPLING_DEFAULTS = SamplingParams()
 
 
@@ -213,7 +215,46 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--served-model-name", default=None, help="the name clients use (default: the model's)")
     serve.add_argument("--uvicorn-log-level", default="info")
     add_engine_args(serve)
+    add_disagg_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+
+def add_disagg_args(p: argparse.ArgumentParser) -> None:
+    d = p.add_argument_group("prefill/decode disaggregation (see `oasiskv proxy`)")
+    d.add_argument("--role", default=DISAGG_DEFAULTS.role, choices=ROLES,
+                   help="prefill: keep each prompt's KV for a decode instance; decode: fetch it block by block")
+    d.add_argument("--kv-transfer", default=DISAGG_DEFAULTS.kv_transfer, choices=KV_TRANSFERS)
+    d.add_argument("--kv-release-timeout", type=float, default=DISAGG_DEFAULTS.release_timeout_s,
+                   help="prefill: seconds a prompt's KV waits for its decode instance to report it done")
+    d.add_argument("--kv-read-timeout", type=float, default=DISAGG_DEFAULTS.read_timeout_s,
+                   help="decode: seconds one remote read may take before its request fails")
+    d.add_argument("--remote-cache-blocks", type=int, default=DISAGG_DEFAULTS.remote_cache_blocks,
+                   help="decode: remote blocks kept in local host memory per request and layer after a fetch")
+    d.add_argument("--local-kv-blocks", type=int, default=DISAGG_DEFAULTS.local_kv_blocks,
+                   help="decode: local host KV blocks (spilled tails and cached remote blocks); default: as many as "
+                        "--host-kv-gb, which on a decode instance sizes the block ids (the prompts' KV it can address)")
+
+
+def disagg_config(args: argparse.Namespace) -> DisaggConfig:
+    return DisaggConfig(role=args.role, kv_transfer=args.kv_transfer, release_timeout_s=args.kv_release_timeout,
+                        read_timeout_s=args.kv_read_timeout, remote_cache_blocks=args.remote_cache_blocks,
+                        local_kv_blocks=args.local_kv_blocks)
+
+
+def cmd_proxy(args) -> None:
+    from oasiskv.disagg.proxy import serve_proxy
+
+    serve_proxy(args)
+
+
+def add_proxy_parser(sub) -> None:
+    proxy = sub.add_parser("proxy", help="disaggregated serving: prefill on one instance, decode on another")
+    proxy.add_argument("--prefill", required=True, help="URL of an `oasiskv serve --role prefill` instance")
+    proxy.add_argument("--decode", required=True, help="URL of an `oasiskv serve --role decode` instance")
+    proxy.add_argument("--host", default="127.0.0.1")
+    proxy.add_argument("--port", type=int, default=8000)
+    proxy.add_argument("--uvicorn-log-level", default="info")
+    proxy.set_defaults(func=cmd_proxy)
 
 
 def add_bench_parser(sub) -> None:
@@ -263,6 +304,7 @@ def parser() -> argparse.ArgumentParser:
     add_eval_args(evaluate)
     evaluate.set_defaults(func=cmd_eval)
     add_serve_parser(sub)
+    add_proxy_parser(sub)
     train_draft = sub.add_parser("train-draft", help="train an EAGLE-3 draft head for the target model")
     from oasiskv.lookahead.train_draft import add_args as add_train_draft_args
 

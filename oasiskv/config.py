@@ -148,6 +148,38 @@ class KVConfig:
         return self.mode in ("retrieval", "oasis")
 
 
+ROLES = ("prefill", "decode")
+KV_TRANSFERS = ("nixl",)
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    """Prefill/decode disaggregation (`oasiskv serve --role`, oasiskv/disagg/). The prefill instance
+    keeps each prompt's KV in its host store for the decode instance, which reads only the blocks its
+    oasis prediction and its misses need."""
+
+    role: str | None = None  # prefill | decode; None: a single instance
+    kv_transfer: str = "nixl"
+    release_timeout_s: float = 600.0  # prefill frees a prompt's KV if decode has not reported it done
+    read_timeout_s: float = 10.0  # decode: one remote read; past it the request fails
+    # decode: per request and layer, remote blocks kept in local host memory after their fetch
+    # (a bounded LRU cache that saves re-reads of blocks evicted from the GPU working set)
+    remote_cache_blocks: int = 4
+    local_kv_blocks: int | None = None  # decode: local host blocks (spilled tails + cache); default: host sizing
+
+    def validate(self) -> None:
+        if self.role not in (None, *ROLES):
+            raise ValueError(f"--role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.kv_transfer not in KV_TRANSFERS:
+            raise ValueError(f"--kv-transfer must be one of {', '.join(KV_TRANSFERS)}, got {self.kv_transfer!r}")
+        if self.release_timeout_s <= 0 or self.read_timeout_s <= 0:
+            raise ValueError("--kv-release-timeout and --kv-read-timeout must be positive")
+        if self.remote_cache_blocks < 0:
+            raise ValueError(f"--remote-cache-blocks must be >= 0, got {self.remote_cache_blocks}")
+        if self.local_kv_blocks is not None and self.local_kv_blocks < 1:
+            raise ValueError(f"--local-kv-blocks must be >= 1, got {self.local_kv_blocks}")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256

@@ -1,11 +1,16 @@
-"""Where the GPU time of a decode step goes: torch.profiler over a few eager decode steps per mode, the
-kernels sorted by total device time (the same kernels a CUDA graph replays). Random-weight model.
+"""Where the GPU time of a decode step goes: torch.profiler over a few decode steps per mode (eager, or
+graph replays with --graphs), the kernels sorted by total device time, and per CUDA stream the busy
+time and the span of the profiled steps (from the trace). Random-weight model.
 
     PYTHONPATH=. python scripts/gpu_kernel_profile.py [--model qwen3-8b] [--context 16384] [--batch 16]
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import tempfile
+from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -25,13 +30,17 @@ def main() -> None:
     p.add_argument("--gpu-gb", type=float, default=72)
     p.add_argument("--host-gb", type=float, default=64)
     p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--graphs", action="store_true", help="profile CUDA graph replays (default: eager steps)")
+    p.add_argument("--warmup-steps", type=int, default=8)
     args = p.parse_args()
     prompts = prompts_for(args.batch, args.context, stride=0)
     for mode in args.modes.split(","):
-        engine = engine_for(args, mode, True, "bfloat16", args.context, 16)
+        engine = engine_for(args, mode, not args.graphs, "bfloat16", args.context, 64)
         for prompt in prompts:
-            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-        while any(len(r.output_token_ids) < 4 for r in engine.requests.values()):
+            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+        while any(len(r.output_token_ids) < 2 for r in engine.requests.values()):
+            engine.step()
+        for _ in range(args.warmup_steps):
             engine.step()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -42,8 +51,26 @@ def main() -> None:
         total = sum(e.self_device_time_total for e in prof.key_averages()) / 1000 / args.steps
         print(f"===== {mode}: {total:.1f} ms of kernels per step (batch {args.batch}, context {args.context})")
         print(table, flush=True)
+        print_streams(prof, args.steps)
         del engine
         torch.cuda.empty_cache()
+
+
+def print_streams(prof, steps: int) -> None:
+    """Busy milliseconds per step of each stream's kernels and copies, and the span they cover."""
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    busy, first, last = defaultdict(float), float("inf"), 0.0
+    for e in events:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
+            stream = e.get("args", {}).get("stream", "?")
+            busy[stream] += e["dur"]
+            first, last = min(first, e["ts"]), max(last, e["ts"] + e["dur"])
+    print(f"span of the device work: {(last - first) / 1000 / steps:.2f} ms per step")
+    for stream, us in sorted(busy.items(), key=lambda kv: -kv[1]):
+        print(f"  stream {stream}: {us / 1000 / steps:.2f} ms busy per step")
 
 
 if __name__ == "__main__":

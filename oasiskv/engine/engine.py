@@ -81,7 +81,8 @@ class LLMEngine:
             gpu_blocks = self.tp.agree_min(gpu_blocks)
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         kv = build_kv(kv_model_config, cache_cfg, kv_cfg, gpu_blocks, self.max_model_len,
-                      config.scheduler.max_num_seqs, self.dtype, self.device, timing=not use_graphs)
+                      config.scheduler.max_num_seqs, self.dtype, self.device, timing=not use_graphs,
+                      **self.kv_overrides())
         self.pool, self.host, self.policy, self.allocator = kv.pool, kv.host, kv.policy, kv.allocator
         if self.tp:
             attach_score_combiner(self.policy, self.tp, self.model_config)
@@ -101,6 +102,10 @@ class LLMEngine:
         self._ids = itertools.count()
 
     # -- set-up ---------------------------------------------------------------------------------
+    def kv_overrides(self) -> dict:
+        """Extra arguments of build_kv for the offloaded modes (a decode instance: disagg/decode.py)."""
+        return {}
+
     def weights_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 

@@ -32,6 +32,7 @@ class Request:
     finish_time: float | None = None
     kv_stats: dict = field(default_factory=dict)  # the KV policy's counters for this request
     draft_token_id: int | None = None  # oasis mode: the draft source's guess of the token after the last one
+    error: str | None = None  # why it ended badly (e.g. its remote KV was lost); reported to the client
 
     @property
     def num_tokens(self) -> int:

@@ -63,7 +63,8 @@ class WorkingSet:
         include wanted) are never evicted; among the others, empty slots go first, then the least
         recently used. Returns (miss mask [B, K], global slot [B, K], -1 where nothing is wanted) for
         the blocks that were not resident: the caller fills those slots. Needs at most `width`
-        protected blocks per row. `step` (an int or a 0-d device tensor) marks the wanted blocks as used."""
+        protected blocks per row. `step` (an int or a 0-d device tensor) marks the wanted blocks as used.
+        `layer` is an int, or a long tensor [B] giving each row's layer (rows of several layers at once)."""
         valid = wanted >= 0
         w = torch.where(valid, wanted.long(), self.max_blocks)  # none -> the spare column (holds -1)
         slots = self._slot_of[layer, rows].gather(1, w)
@@ -81,7 +82,7 @@ class WorkingSet:
         return miss, slots
 
     def _evict_and_assign(self, layer, rows, w, miss, victim) -> None:
-        base, rows = self.base[rows], rows[:, None]
+        base, rows, layer = self.base[rows], rows[:, None], per_row(layer)
         old = self._block_of[layer, rows, victim].long()
         old = torch.where(miss & (old >= 0), old, self.max_blocks)
         self._slot_of[layer, rows, old] = self.none
@@ -91,4 +92,9 @@ class WorkingSet:
 
     def _touch(self, layer, rows, slots, valid, step) -> None:
         idx = torch.where(valid, slots.long() - self.base[rows], self.width)
-        self._last_used[layer, rows[:, None], idx] = step
+        self._last_used[per_row(layer), rows[:, None], idx] = step
+
+
+def per_row(layer):
+    """An int layer as is; a tensor of one layer per row as a column, to index [rows, K] entries."""
+    return layer[:, None] if isinstance(layer, torch.Tensor) else layer

@@ -29,9 +29,11 @@ class KVSetup:
 
 
 def build_kv(model_cfg: ModelConfig, cache: CacheConfig, kv: KVConfig, gpu_kv_blocks: int, max_model_len: int,
-             max_num_seqs: int, dtype: torch.dtype, device: torch.device, timing: bool = True) -> KVSetup:
+             max_num_seqs: int, dtype: torch.dtype, device: torch.device, timing: bool = True,
+             **tiered) -> KVSetup:
     """gpu_kv_blocks: how many KV blocks the device memory left for KV can hold. timing: phase timers
-    (on the GPU they synchronise, so CUDA graphs need them off)."""
+    (on the GPU they synchronise, so CUDA graphs need them off). `tiered` goes to build_retrieval
+    (retrieval and oasis modes)."""
     kv.validate(cache.block_size, model_cfg.num_layers)
     bs, scale = cache.block_size, model_cfg.head_dim ** -0.5
     if kv.mode == "dense":
@@ -44,11 +46,14 @@ def build_kv(model_cfg: ModelConfig, cache: CacheConfig, kv: KVConfig, gpu_kv_bl
         summaries = BlockSummaries(model_cfg, blocks, dtype, device)
         policy = QuestPolicy(pool, kv, summaries, bs, scale, device, timing)
         return KVSetup(policy, BlockAllocator(blocks), max_num_seqs, pool, None, f"quest: {blocks} GPU blocks")
-    return build_retrieval(model_cfg, cache, kv, gpu_kv_blocks, max_model_len, max_num_seqs, dtype, device, timing)
+    return build_retrieval(model_cfg, cache, kv, gpu_kv_blocks, max_model_len, max_num_seqs, dtype, device, timing,
+                           **tiered)
 
 
 def build_retrieval(model_cfg, cache, kv, gpu_kv_blocks, max_model_len, max_num_seqs, dtype, device,
-                    timing: bool = True) -> KVSetup:
+                    timing: bool = True, policy_class=None, store_blocks: int | None = None) -> KVSetup:
+    """policy_class replaces the mode's policy; store_blocks sizes the host store apart from the block
+    ids handed out (a decode instance keeps only part of each request's KV: disagg/local.py)."""
     bs, per_block = cache.block_size, bytes_per_block(model_cfg, cache.block_size, dtype)
     host_blocks = host_block_count(cache, kv, per_block, device)
     width = kv.budget // bs + (kv.mode == "oasis")  # oasis: room for the block a draft token opens
@@ -58,10 +63,10 @@ def build_retrieval(model_cfg, cache, kv, gpu_kv_blocks, max_model_len, max_num_
         raise ValueError(f"the GPU has room for {gpu_kv_blocks} KV blocks: not enough for the summaries of "
                          f"{host_blocks} host blocks plus one working set of {width} blocks")
     pool = KVPool(model_cfg, rows * width, bs, dtype, device)
-    host = HostStore(model_cfg, host_blocks, bs, dtype, pin=device.type == "cuda")
+    host = HostStore(model_cfg, store_blocks or host_blocks, bs, dtype, pin=device.type == "cuda")
     ws = WorkingSet(model_cfg.num_layers, rows, width, -(-max_model_len // bs) + 1, device)
     summaries = BlockSummaries(model_cfg, host_blocks, dtype, device)
-    policy_class = OasisPolicy if kv.mode == "oasis" else RetrievalPolicy
+    policy_class = policy_class or (OasisPolicy if kv.mode == "oasis" else RetrievalPolicy)
     policy = policy_class(pool, host, ws, kv, summaries, bs, model_cfg.head_dim ** -0.5, device, timing)
     return KVSetup(policy, BlockAllocator(host_blocks), rows, pool, host,
                    f"{kv.mode}: {host_blocks} host blocks ({host.kv.numel() * host.kv.element_size() / GiB:.1f} GiB), "

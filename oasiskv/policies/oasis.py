@@ -9,8 +9,8 @@ last num_draft rows of the batch). Per layer (see shared/DESIGN.md, "A decode st
      where x_{t+1}'s will, and is overwritten by it next step);
   4. the draft's query selects too: that selection is the prediction for the next step. Its
      non-resident blocks, highest score first and at most `fetch_cap x budget` tokens of them, are
-     gathered from the host store, evicting blocks outside the prediction. On the GPU this whole
-     step (scoring, placement, copies) runs on the copy stream, beside the next layers' compute.
+     gathered from the host store, evicting blocks outside the prediction. This runs for groups of
+     PREDICT_GROUP layers at once; on the GPU on the copy stream, beside the next layers' compute.
 
 The working-set row holds budget + 1 blocks: a full selection plus the block a draft token opens.
 On the CPU the same steps run synchronously."""
@@ -55,18 +55,13 @@ class EventClock:
         self.pending = waiting
 
 
-def compact(padded: torch.Tensor) -> torch.Tensor:
-    """Moves each row's entries >= 0 to its front, keeping their order (-1 after them)."""
-    order = torch.sort((padded < 0).to(torch.int8), dim=1, stable=True).indices
-    return padded.gather(1, order)
-
-
 class OasisPolicy(TieredPolicy):
     name = "oasis"
     wants_drafts = True
     COUNTERS = TieredPolicy.COUNTERS + ("prefetched_blocks", "cold_fetched_blocks", "miss_fetched_blocks",
                                         "agree_hits", "agree_total")
     STEP_TENSORS = TieredPolicy.STEP_TENSORS + ("cold", "fresh")
+    PREDICT_GROUP = 6  # consecutive layers predicted together: fewer, larger kernels on the copy stream
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
@@ -78,6 +73,8 @@ class OasisPolicy(TieredPolicy):
         self.prefetched: list[torch.cuda.Event | None] = [None] * layers
         self.clock = EventClock() if self.cuda else None
         self.decode_steps = 0
+        self.layer_ids = torch.arange(layers, device=self.pool.kv.device)
+        self.waiting: list[tuple[int, torch.Tensor]] = []  # (layer, draft queries) not yet predicted from
 
     def release(self, request_id: str) -> None:
         if request_id in self.ws._row_of:
@@ -101,6 +98,7 @@ class OasisPolicy(TieredPolicy):
         self.fresh = torch.tensor([self.predicted_at.get(r) == step - 1 for r in rows], dtype=torch.bool).to(dev)
         self.predicted_at.update((r, step) for r in rows)
         self.decode_steps += bool(rows)
+        self.waiting = []
         if self.clock:
             self.clock.collect()
 
@@ -130,7 +128,9 @@ class OasisPolicy(TieredPolicy):
                                             meta.decode_max_seq_len + 1, dense)
         self.spill_full_tails(layer, fill, tail_slots, tail_host)
         if not dense:
-            self.predict_and_prefetch(layer, q[real:], seq_lens + 1)
+            self.waiting.append((layer, q[real:]))
+            if len(self.waiting) == self.PREDICT_GROUP or layer == len(self.layer_ids) - 1:
+                self.predict_and_prefetch(seq_lens + 1)
         self.flush_counts(layer)
 
     def wait_for_prefetch(self, layer: int) -> None:
@@ -146,7 +146,7 @@ class OasisPolicy(TieredPolicy):
 
     def resident_selection(self, layer, q, dense) -> torch.Tensor:
         """x_t's selection restricted to what is resident once cold-start (and, with the "fetch"
-        policy, all) misses are fetched: int32 [B, K], valid ids first, then -1."""
+        policy, all) misses are fetched: int32 [B, K], -1 where a selected block is left out."""
         if dense:
             everything = torch.arange(self.num_decode_blocks, device=q.device, dtype=torch.int32)
             nblocks = (self.meta.decode_seq_lens.long() + self.block_size - 1) // self.block_size
@@ -165,14 +165,14 @@ class OasisPolicy(TieredPolicy):
             self.count_agreement(layer, selection, valid)
         fetch_all = dense or self.cfg.miss_policy == "fetch"
         if not (fetch_all or self.any_cold):  # nothing to fetch now: misses are left out
-            return compact(torch.where(resident, selection, -1))
+            return torch.where(resident, selection, -1)
         fetch_rows = torch.ones_like(self.cold) if fetch_all else self.cold
         need = torch.where(missing & fetch_rows[:, None], selection, -1)
         with self.timer("gather"):
             fetched, _ = self.fetch(layer, need, self.mask_of(selection))
         self.count("cold_fetched_blocks", fetched & self.cold[:, None])
         self.count("miss_fetched_blocks", fetched & ~self.cold[:, None])
-        return compact(torch.where(valid & (resident | fetched), selection, -1))
+        return torch.where(valid & (resident | fetched), selection, -1)
 
     def count_agreement(self, layer, selection, valid) -> None:
         """Share of this selection that last step's prediction contained (rows that made one)."""
@@ -204,47 +204,57 @@ class OasisPolicy(TieredPolicy):
             if self.cuda:
                 return paged_decode_attention(q, gpu_kv, tables, seq_lens, self.scale, max_seq_len=max_seq_len)
             return paged_decode_reference(q, gpu_kv, tables, seq_lens, self.scale)
-        blocks = compact(blocks)
-        indptr, indices = padded_to_csr((blocks >= 0).sum(1).to(torch.int32), blocks)
+        indptr, indices = padded_to_csr(blocks)
         attend = sparse_decode_attention if self.cuda else sparse_decode_reference
         return attend(q, gpu_kv, tables, indptr, indices, seq_lens, self.scale)
 
-    def predict_and_prefetch(self, layer, q_draft, draft_lens) -> None:
+    def predict_and_prefetch(self, draft_lens) -> None:
         """The draft's selection is the prediction for the next step; its missing blocks are gathered,
-        best first, up to the fetch cap. On the GPU all of it (scoring, placement, copies, their
-        counters) runs on the copy stream, beside the next layers' compute: nothing else touches this
-        layer's working set or slots until the next step's wait_for_prefetch (or the graph's end)."""
+        best first, up to the fetch cap. Done for the waiting group of layers at once. On the GPU all
+        of it (scoring, placement, copies, their counters) runs on the copy stream, beside the next
+        layers' compute: nothing else touches those layers' working sets or slots until the next
+        step's wait_for_prefetch (or the graph's end)."""
+        group, self.waiting = self.waiting, []
+        layers, queries = [layer for layer, _ in group], [q for _, q in group]
         if not self.cuda:
             with self.timer("prefetch"):
-                self.predict(layer, q_draft, draft_lens)
-                self.flush_counts(layer, lane=1)
+                self.predict(layers, queries, draft_lens)
             return
         side, capturing = self.copy_stream, torch.cuda.is_current_stream_capturing()
-        side.wait_stream(torch.cuda.current_stream())  # the draft's query, and readers of slots it evicts
-        self.keep_alive((q_draft, draft_lens, self.rows, self.host_tables), side)
+        side.wait_stream(torch.cuda.current_stream())  # the draft's queries, and readers of slots it evicts
+        self.keep_alive((*queries, draft_lens, self.rows, self.host_tables), side)
         with torch.cuda.stream(side):
             start = None if capturing else self.clock.mark(side)  # no timing events in a graph
-            self.predict(layer, q_draft, draft_lens)
-            self.flush_counts(layer, lane=1)
+            self.predict(layers, queries, draft_lens)
             if start is not None:
-                self.prefetched[layer] = self.clock.close("prefetch", start, side)
+                done = self.clock.close("prefetch", start, side)
+                for layer in layers:
+                    self.prefetched[layer] = done
 
-    def predict(self, layer, q_draft, draft_lens) -> None:
-        """On the current stream: prediction, placement, copies (counted in lane 1)."""
+    def predict(self, layers: list[int], queries: list[torch.Tensor], draft_lens) -> None:
+        """On the current stream, for consecutive `layers` at once (rows = (layer, request) pairs):
+        prediction, placement, copies, and their counters (lane 1)."""
+        g, b = len(layers), len(draft_lens)
+        layer_of = self.layer_ids[layers[0]: layers[-1] + 1][:, None].expand(g, b).reshape(-1)
+        rows = self.rows[None, :].expand(g, b).reshape(-1)
+        host_tables = self.host_tables.repeat(g, 1)
         nblocks = ((draft_lens + self.block_size - 1) // self.block_size).to(torch.int32)
-        scores = self.score_blocks(layer, q_draft, self.host_tables, nblocks)
-        _, prediction = select_blocks_padded(scores, nblocks, self.budget_blocks, self.cfg.sink_blocks,
+        scores = self.combined(torch.cat([self.local_scores(layer, q, self.host_tables, nblocks)
+                                          for layer, q in zip(layers, queries)]))  # one collective per group
+        _, prediction = select_blocks_padded(scores, nblocks.repeat(g), self.budget_blocks, self.cfg.sink_blocks,
                                              self.cfg.local_blocks)
         ids = prediction.clamp(min=0).long()
-        self.predicted[layer, self.rows] = self.mask_of(prediction, self.ws.max_blocks + 1)
-        resident = self.ws.table(layer, self.rows, self.host_tables.shape[1]).gather(1, ids) >= 0
+        self.predicted[layer_of, rows] = self.mask_of(prediction, self.ws.max_blocks + 1)
+        resident = self.ws.table(layer_of, rows, host_tables.shape[1]).gather(1, ids) >= 0
         wanted = (prediction >= 0) & ~resident
         key = torch.where(wanted, scores.gather(1, ids), float("-inf"))
         best = key.topk(min(self.fetch_cap_blocks, key.shape[1]), dim=1)
         fetch = torch.where(best.values > float("-inf"), prediction.gather(1, best.indices), -1)
-        fetched, _, copies = self.place(layer, fetch, self.mask_of(prediction), lane=1)
+        fetched, _, copies = self.place(layer_of, fetch, self.mask_of(prediction), lane=1, rows=rows,
+                                        host_tables=host_tables)
         self.copy_from_host(copies)
         self.count("prefetched_blocks", fetched, lane=1)
+        self.flush_counts(layer_of, lane=1, rows=rows)
         torch.maximum(self.most_prefetched, fetched.sum(1).max(), out=self.most_prefetched)
 
     # -- statistics -----------------------------------------------------------------------------------

@@ -99,14 +99,20 @@ class SparsePolicy(KVPolicy):
         scores = self.score_blocks(layer, q, score_tables, nblocks.to(torch.int32))
         counts, padded = select_blocks_padded(scores, nblocks.to(torch.int32), self.budget_blocks,
                                               self.cfg.sink_blocks, self.cfg.local_blocks)
-        indptr, indices = padded_to_csr(counts, padded)
+        indptr, indices = padded_to_csr(padded)
         self.selected_on_device += counts.sum()  # summed on the device: no sync per layer
         return counts, padded, indptr, indices
 
     def score_blocks(self, layer: int, q: torch.Tensor, tables: torch.Tensor, nblocks: torch.Tensor) -> torch.Tensor:
         """fp32 [B, blocks]: upper-bound scores of each query's blocks (all ranks' heads under tensor parallelism)."""
+        return self.combined(self.local_scores(layer, q, tables, nblocks))
+
+    def local_scores(self, layer: int, q: torch.Tensor, tables: torch.Tensor, nblocks: torch.Tensor) -> torch.Tensor:
         score = block_scores if self.cuda else block_scores_reference
-        scores = score(q, self.summaries.layer(layer), tables, nblocks)
+        return score(q, self.summaries.layer(layer), tables, nblocks)
+
+    def combined(self, scores: torch.Tensor) -> torch.Tensor:
+        """This rank's block scores -> the whole model's (tensor parallelism: one collective); else as is."""
         return scores if self.combine_scores is None else self.combine_scores(scores)
 
     def is_dense_layer(self, layer: int) -> bool:
@@ -123,16 +129,17 @@ class SparsePolicy(KVPolicy):
         return attend(q, kv_layer, tables, indptr, indices, meta.decode_seq_lens, self.scale)
 
 
-def padded_to_csr(counts: torch.Tensor, padded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, K] rows of ids with -1 padding -> CSR (indptr [B+1], indices [B*K]; entries past indptr[-1]
-    are unused). No host sync."""
+def padded_to_csr(padded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, K] rows of ids, -1 = none (anywhere in a row) -> CSR (indptr [B+1], indices [B*K] holding
+    each row's ids in their order; entries past indptr[-1] are unused). No host sync, no sort."""
     b, k = padded.shape
+    valid = padded >= 0
     indptr = torch.zeros(b + 1, dtype=torch.int32, device=padded.device)
-    indptr[1:] = torch.cumsum(counts, 0)
-    j = torch.arange(k, device=padded.device)[None, :]
-    dst = torch.where(j < counts[:, None].long(), indptr[:-1, None].long() + j, b * k)
+    indptr[1:] = torch.cumsum(valid.sum(1), 0)
+    position = torch.cumsum(valid, 1) - 1  # of each valid id within its row
+    dst = torch.where(valid, indptr[:-1, None].long() + position, b * k)
     flat = torch.zeros(b * k + 1, dtype=torch.int32, device=padded.device)
-    flat.scatter_(0, dst.reshape(-1), padded.reshape(-1))
+    flat.scatter_(0, dst.reshape(-1), padded.reshape(-1).to(torch.int32))
     return indptr, flat[: b * k]
 
 

@@ -50,7 +50,9 @@ class TieredPolicy(SparsePolicy):
         i, pending = self.counter_index[name], self.pending[lane]
         pending[i] = per_row if i not in pending else pending[i] + per_row
 
-    def flush_counts(self, layer: int, lane: int = 0) -> None:
+    def flush_counts(self, layer, lane: int = 0, rows: torch.Tensor | None = None) -> None:
+        """`layer`: an int, or with `rows` (the rows counted, default this step's) a tensor of each
+        counted row's layer."""
         pending = self.pending[lane]
         if not pending:
             return
@@ -58,9 +60,13 @@ class TieredPolicy(SparsePolicy):
         if key not in self.counter_ids:
             self.counter_ids[key] = torch.tensor(key, device=self.row_counts.device)
         index = self.counter_ids[key]
-        values = torch.stack(list(pending.values())).long()  # [counters, B]
-        self.row_counts[lane].index_put_((self.rows[None, :], index[:, None]), values, accumulate=True)
-        self.layer_counts[lane, layer].index_add_(0, index, values.sum(1))
+        values = torch.stack(list(pending.values())).long()  # [counters, rows counted]
+        rows = self.rows if rows is None else rows
+        self.row_counts[lane].index_put_((rows[None, :], index[:, None]), values, accumulate=True)
+        if isinstance(layer, torch.Tensor):
+            self.layer_counts[lane].index_put_((layer[None, :], index[:, None]), values, accumulate=True)
+        else:
+            self.layer_counts[lane, layer].index_add_(0, index, values.sum(1))
         self.pending[lane] = {}
 
     def release(self, request_id: str) -> None:
@@ -157,16 +163,22 @@ class TieredPolicy(SparsePolicy):
         self.copy_from_host(copies, stream)
         return miss, slots
 
-    def place(self, layer, wanted, protect, only=None, lane: int = 0):
+    def place(self, layer, wanted, protect, only=None, lane: int = 0, rows=None, host_tables=None):
         """The working-set half of fetch: slots for `wanted`, and the copies that fill the missing
-        ones as (layer ids, host blocks, slots) lists with -1 for no copy."""
-        miss, slots = self.ws.place(layer, self.rows, wanted, protect, self.step_tensor)
+        ones as (layer ids, host blocks, slots) lists with -1 for no copy. `layer` is an int, or (with
+        `rows` and their `host_tables`) a long tensor of each row's layer."""
+        rows = self.rows if rows is None else rows
+        host_tables = self.host_tables if host_tables is None else host_tables
+        miss, slots = self.ws.place(layer, rows, wanted, protect, self.step_tensor)
         copy = miss if only is None else miss & only
-        src = torch.where(copy, self.host_tables.gather(1, wanted.clamp(min=0).long()), -1).to(torch.int32)
+        src = torch.where(copy, host_tables.gather(1, wanted.clamp(min=0).long()), -1).to(torch.int32)
         dst = torch.where(copy, slots, -1).to(torch.int32)
-        src, dst = src.reshape(-1), dst.reshape(-1)
+        if isinstance(layer, torch.Tensor):
+            layers = layer[:, None].expand_as(dst).to(torch.int32).reshape(-1)
+        else:
+            layers = torch.full_like(dst.reshape(-1), layer)
         self.count("fetched_blocks", copy, lane)
-        return miss, slots, (torch.full_like(src, layer), src, dst)
+        return miss, slots, (layers, src.reshape(-1), dst.reshape(-1))
 
     def copy_from_host(self, copies, stream=None) -> None:
         if not self.cuda:

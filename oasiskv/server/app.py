@@ -25,8 +25,9 @@ log = logging.getLogger("oasiskv.server")
 class ServerState:
     """What every route needs: the engine loop, the tokenizer, the model's names and limits."""
 
-    def __init__(self, engine, served_model_name: str | None = None):
+    def __init__(self, engine, served_model_name: str | None = None, disagg=None):
         self.engine, self.tokenizer = engine, engine.tokenizer
+        self.disagg = disagg  # a prefill or decode role (disagg/server.py), or None
         self.model_name = served_model_name or default_model_name(engine)
         self.max_model_len = engine.max_model_len
         self.metrics = ServerMetrics(self.model_name)
@@ -53,13 +54,17 @@ def default_model_name(engine) -> str:
     return os.path.basename(os.path.normpath(model))
 
 
-def build_app(engine, served_model_name: str | None = None) -> FastAPI:
-    state = ServerState(engine, served_model_name)
+def build_app(engine, served_model_name: str | None = None, disagg=None) -> FastAPI:
+    state = ServerState(engine, served_model_name, disagg)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.loop.start()
+        if disagg is not None:
+            disagg.start(state.loop)
         yield
+        if disagg is not None:
+            disagg.stop()
         state.loop.stop()
 
     app = FastAPI(title="oasiskv", lifespan=lifespan)
@@ -198,11 +203,11 @@ def serve(args) -> None:
     """`oasiskv serve`: builds the engine from the engine flags and serves it."""
     import uvicorn
 
-    from oasiskv.cli import engine_config
-    from oasiskv.engine.engine import LLMEngine
+    from oasiskv.cli import disagg_config, engine_config
+    from oasiskv.disagg.server import build_engine
 
-    engine = LLMEngine(engine_config(args))
-    app = build_app(engine, args.served_model_name)
+    engine, role = build_engine(engine_config(args), disagg_config(args))
+    app = build_app(engine, args.served_model_name, role)
     print(f"oasiskv: serving {app.state.server.model_name} ({engine.kv_description}) on "
           f"http://{args.host}:{args.port}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)

@@ -36,7 +36,7 @@ class ChatJob(GenerationJob):
 
     async def start(self) -> None:
         self.sub = await Submission.start(self.state.loop, [self.prompt] * len(self.params), self.params,
-                                          self.top_logprobs)
+                                          self.top_logprobs, self.body.kv_transfer_params)
 
     def logprobs(self, logprobs) -> dict | None:
         return chat_logprobs(self.state.token_str, logprobs) if self.top_logprobs is not None else None

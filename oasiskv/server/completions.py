@@ -54,7 +54,8 @@ class CompletionJob(GenerationJob):
             self.echoes = [await self.echo_of(text, ids) for text, ids in self.prompts]
         if self.body.max_tokens != 0:
             prompts = [ids for _, ids in self.prompts for _ in range(self.n)]
-            self.sub = await Submission.start(self.state.loop, prompts, self.params, self.body.logprobs)
+            self.sub = await Submission.start(self.state.loop, prompts, self.params, self.body.logprobs,
+                                              self.body.kv_transfer_params)
 
     async def echo_of(self, text: str | None, ids: list[int]) -> tuple[str, list]:
         text = self.state.tokenizer.decode(ids) if text is None else text

@@ -92,14 +92,15 @@ class EngineLoop:
         self.post(run)
         return await future
 
-    async def add(self, prompts: list[list[int]], params: list[SamplingParams], top_logprobs: int | None
-                  ) -> tuple[list[str], asyncio.Queue]:
+    async def add(self, prompts: list[list[int]], params: list[SamplingParams], top_logprobs: int | None,
+                  kv_transfer_params: dict | None = None) -> tuple[list[str], asyncio.Queue]:
         """Queues one engine request per (prompt, params), all or none. Outputs arrive in the returned
-        queue as (choice index, Output)."""
+        queue as (choice index, Output). kv_transfer_params go to a prefill or decode engine."""
         loop, out, arrival = asyncio.get_running_loop(), asyncio.Queue(), time.perf_counter()
         base = f"http-{uuid.uuid4().hex[:16]}"
         ids = [f"{base}-{i}" for i in range(len(prompts))]
-        await self.call(lambda: self._add_all(ids, prompts, params, top_logprobs, (loop, out, arrival)))
+        extra = {} if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
+        await self.call(lambda: self._add_all(ids, prompts, params, top_logprobs, (loop, out, arrival), extra))
         return ids, out
 
     def abort(self, request_ids: list[str]) -> None:
@@ -142,11 +143,11 @@ class EngineLoop:
     def _stop(self) -> None:
         self.stopping = True
 
-    def _add_all(self, ids, prompts, params, top_logprobs, reply_to) -> None:
+    def _add_all(self, ids, prompts, params, top_logprobs, reply_to, extra) -> None:
         added = []
         try:
             for rid, prompt, p in zip(ids, prompts, params):
-                self.engine.add_request(prompt, p, request_id=rid)
+                self.engine.add_request(prompt, p, request_id=rid, **extra)
                 added.append(rid)
         except ValueError as e:
             for rid in added:
@@ -182,7 +183,7 @@ class EngineLoop:
                 continue
             t.sent += len(new)
             out = Output(list(new), self.sampler.take(rid), req.finished, req.finish_reason,
-                         req.output_text if req.finished else None)
+                         req.output_text if req.finished else None, error=req.error)
             if self.metrics and new:
                 self.metrics.on_tokens(t, len(new), now)
             t.first_token = t.first_token or now

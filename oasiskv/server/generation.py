@@ -22,9 +22,9 @@ class Submission:
 
     @classmethod
     async def start(cls, loop: EngineLoop, prompts: list[list[int]], params: list[SamplingParams],
-                    top_logprobs: int | None) -> "Submission":
+                    top_logprobs: int | None, kv_transfer_params: dict | None = None) -> "Submission":
         try:
-            ids, queue = await loop.add(prompts, params, top_logprobs)
+            ids, queue = await loop.add(prompts, params, top_logprobs, kv_transfer_params)
         except ValueError as e:
             raise APIError(str(e), param="prompt") from e
         return cls(loop, ids, queue)

@@ -45,6 +45,14 @@ class GenerationJob:
         state.check_model(body.model)
         if body.stream_options and not body.stream:
             raise APIError("Stream options can only be defined when `stream=True`.", param="stream_options")
+        if body.kv_transfer_params is not None and state.disagg is None:
+            raise APIError("kv_transfer_params need a server started with --role prefill or decode",
+                           param="kv_transfer_params")
+        if state.disagg is not None and body.n != 1:
+            raise APIError("a prefill or decode instance takes n = 1 only", param="n")
+        if state.disagg is not None and state.disagg.name == "prefill" and body.stream and body.kv_transfer_params:
+            raise APIError("a prefill for remote decode cannot stream: its kv_transfer_params come in the JSON "
+                           "response", param="stream")
         self.body, self.state = body, state
         self.id, self.created = new_id(self.id_prefix), now()
         self.params: list[SamplingParams] = []
@@ -73,7 +81,10 @@ class GenerationJob:
                                          self.sub.close)
         if choices is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        return JSONResponse(self.response(choices))
+        payload = self.response(choices)
+        if self.state.disagg is not None:  # kv_transfer_params (prefill), transfer statistics (decode)
+            self.state.disagg.annotate(payload, self.sub.request_ids[0])
+        return JSONResponse(payload)
 
     async def stream(self, request):
         """SSE: the subclass's chunks, the usage chunk if asked for, `data: [DONE]`. An engine failure

@@ -18,7 +18,7 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                960.0, 1920.0, 7680.0)
 ENGINE_COUNTERS = {"preemptions": "num_preemptions", "steps": "engine_steps", "prefill_tokens": "engine_prefill_tokens",
                    "decode_tokens": "engine_decode_tokens", "step_time_s": "engine_step_time_seconds"}
-GAUGE_HINTS = ("rate", "agreement", "cap", "max_", "per_step")  # engine stats that are not running totals
+GAUGE_HINTS = ("rate", "agreement", "cap", "max_", "per_step", "_held")  # engine stats that are not running totals
 
 
 class ServerMetrics:

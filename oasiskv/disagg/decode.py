@@ -1,0 +1,116 @@
+"""Decode side: DecodeEngine admits requests prefilled on another instance. Such a request arrives
+with its prompt, the first token the prefill sampled and the prefill's kv_transfer_params; it enters
+the scheduler with its prompt counted as computed (logical blocks allocated, summaries read from the
+prefill), so its first step is a decode of that token, and every block it fetches comes through
+RemoteOasisPolicy."""
+from __future__ import annotations
+
+import logging
+
+from oasiskv.config import DisaggConfig, EngineConfig
+from oasiskv.disagg.export import layout_of
+from oasiskv.disagg.local import LocalChunks
+from oasiskv.disagg.remote import RemoteKV, RemoteOasisPolicy
+from oasiskv.disagg.transfer import KVAgent, RemoteKVError
+from oasiskv.engine.engine import LLMEngine
+from oasiskv.engine.request import RequestStatus
+from oasiskv.lookahead.base import DraftChunk
+
+log = logging.getLogger("oasiskv.disagg")
+PREEMPTED = ("preempted on the decode instance, whose host memory does not hold this request's prompt KV "
+             "(it cannot be recomputed here); retry the request")
+
+
+class DecodeEngine(LLMEngine):
+    def __init__(self, config: EngineConfig, disagg: DisaggConfig):
+        if config.kv.mode != "oasis":
+            raise ValueError("--role decode needs --kv-mode oasis")
+        if config.kv.draft == "eagle3":
+            raise ValueError("--role decode supports --draft ngram or repeat (EAGLE-3 would need the prompt's "
+                             "hidden states from the prefill instance)")
+        self.disagg = disagg
+        super().__init__(config)
+        self.remote = RemoteKV(KVAgent("decode"), LocalChunks(self.host, disagg.remote_cache_blocks), disagg)
+        self.policy.remote = self.remote
+        self.largest_local_share = 0.0
+
+    def kv_overrides(self) -> dict:
+        return {"policy_class": RemoteOasisPolicy, "store_blocks": self.disagg.local_kv_blocks}
+
+    # -- admission --------------------------------------------------------------------------------------
+    def add_request(self, prompt, params, request_id=None, kv_transfer_params: dict | None = None) -> str:
+        if not kv_transfer_params or "remote_agent" not in kv_transfer_params:
+            raise ValueError("this is a --role decode instance: a request needs the kv_transfer_params its prefill "
+                             "instance returned (send requests through `oasiskv proxy`)")
+        p = kv_transfer_params
+        if p.get("layout") != layout_of(self):
+            raise ValueError(f"the prefill instance's KV layout {p.get('layout')} differs from this one's {layout_of(self)}")
+        rid = super().add_request(prompt, params, request_id)
+        req = self.requests[rid]
+        try:
+            self.admit_prefilled(req, p)
+        except (ValueError, RemoteKVError, MemoryError) as e:
+            self.abort(rid)
+            self.pop_finished(rid)
+            raise ValueError(f"could not take over the prefilled request: {e}") from e
+        return rid
+
+    def admit_prefilled(self, req, p: dict) -> None:
+        n = len(req.prompt_token_ids)
+        if int(p["num_tokens"]) != n:
+            raise ValueError(f"the prefill instance computed {p['num_tokens']} prompt tokens, this prompt has {n}")
+        need = self.scheduler.blocks_for(n)
+        if not self.allocator.can_allocate(need):
+            raise MemoryError(f"no room for {need} more KV blocks on the decode instance")
+        req.block_ids = self.allocator.allocate(need)
+        self.remote.attach(req.request_id, p, req.block_ids, self.policy.summaries)
+        req.num_computed_tokens = n
+        if not self.append_token(req, int(p["first_token_id"])) and self.drafter is not None:
+            context = req.prompt_token_ids + req.output_token_ids
+            chunk = DraftChunk(req.request_id, 0, req.prompt_token_ids, context[1:], 0, True, context)
+            req.draft_token_id = self.drafter.propose([chunk], []).get(req.request_id)
+
+    # -- the loop ------------------------------------------------------------------------------------------
+    def step(self):
+        before = {rid: len(r.output_token_ids) for rid, r in self.requests.items()}
+        self.remote.keep_alive()
+        finished = super().step()
+        for req in list(self.scheduler.waiting):
+            if req.num_computed_tokens == 0:  # preempted: its prompt KV cannot be recomputed here
+                self.remote.failed.setdefault(req.request_id, PREEMPTED)
+        self.fail_lost(before)
+        return finished
+
+    def fail_lost(self, before: dict[str, int]) -> None:
+        """Ends the requests whose remote KV was lost, without the token of the step that noticed."""
+        for rid, message in list(self.remote.failed.items()):
+            del self.remote.failed[rid]
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            del req.output_token_ids[before.get(rid, len(req.output_token_ids)):]
+            req.error = message
+            if req.status != RequestStatus.FINISHED:
+                self.abort(rid)
+            log.error("request %s failed: %s", rid, message)
+
+    def append_token(self, req, token: int) -> bool:
+        finished = super().append_token(req, token)
+        if finished:
+            self.record_transfer(req)
+        return finished
+
+    def record_transfer(self, req) -> None:
+        stats = self.remote.finished.get(req.request_id)
+        if stats is None:
+            return
+        blocks = self.scheduler.blocks_for(max(req.num_tokens - 1, 1))  # the last token's K/V is never made
+        stats["full_kv_bytes"] = blocks * self.model_config.num_layers * self.host.chunk_bytes
+        stats["local_host_kv_share"] = round(stats["local_host_kv_bytes_peak"] / stats["full_kv_bytes"], 4)
+        self.largest_local_share = max(self.largest_local_share, stats["local_host_kv_share"])
+        log.info("request %s: %d remote KV bytes; local host KV peak %d bytes = %.3f of its full KV (%d bytes)",
+                 req.request_id, stats["remote_kv_bytes"], stats["local_host_kv_bytes_peak"],
+                 stats["local_host_kv_share"], stats["full_kv_bytes"])
+
+    def stats_dict(self) -> dict:
+        return {**super().stats_dict(), "kv_local_host_share_max": self.largest_local_share}

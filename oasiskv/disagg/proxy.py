@@ -1,0 +1,124 @@
+"""`oasiskv proxy --prefill URL --decode URL`: one OpenAI-compatible endpoint over a prefill and a
+decode instance, as vLLM's disaggregated-serving proxy does. A request goes first to the prefill
+instance with max_tokens 1 and kv_transfer_params {"do_remote_decode": true}; its response carries
+the kv_transfer_params the decode instance needs (where the prompt's KV is, and the first token),
+and the request then goes to the decode instance, whose answer (or stream) is passed through."""
+from __future__ import annotations
+
+import json
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from oasiskv.server.protocol import error_body, sse
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+class Proxy:
+    def __init__(self, prefill_url: str, decode_url: str):
+        self.prefill, self.decode = prefill_url.rstrip("/"), decode_url.rstrip("/")
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10))
+
+    async def generate(self, path: str, body: dict) -> Response:
+        if not isinstance(body, dict):
+            return JSONResponse(error_body("the request body must be a JSON object", 400), status_code=400)
+        if answered_by_prefill(body):
+            return await self.send(self.prefill + path, body)
+        first = await self.client.post(self.prefill + path, json=prefill_body(body))
+        if first.status_code != 200:
+            return passthrough(first)
+        first_json = first.json()
+        params = first_json.get("kv_transfer_params")
+        if params is None:  # the first token ended it (a stop): that is the whole answer
+            return final_from_prefill(first_json, body, path)
+        return await self.send(self.decode + path, {**body, "kv_transfer_params": params})
+
+    async def send(self, url: str, body: dict) -> Response:
+        request = self.client.build_request("POST", url, json=body)
+        response = await self.client.send(request, stream=bool(body.get("stream")))
+        if not body.get("stream") or response.status_code != 200:
+            await response.aread()
+            return passthrough(response)
+        return StreamingResponse(response.aiter_raw(), media_type="text/event-stream",
+                                 background=BackgroundTask(response.aclose))
+
+    async def health(self) -> Response:
+        for url in (self.prefill, self.decode):
+            try:
+                if (await self.client.get(url + "/health")).status_code != 200:
+                    return Response(status_code=503)
+            except httpx.HTTPError:
+                return Response(status_code=503)
+        return Response(status_code=200)
+
+
+def answered_by_prefill(body: dict) -> bool:
+    """A request for one token needs no decode instance."""
+    return (body.get("max_completion_tokens") or body.get("max_tokens")) == 1
+
+
+def prefill_body(body: dict) -> dict:
+    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
+    return {**out, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+
+
+def passthrough(response: httpx.Response) -> Response:
+    return Response(response.content, status_code=response.status_code,
+                    media_type=response.headers.get("content-type", "application/json"))
+
+
+def final_from_prefill(first: dict, body: dict, path: str) -> Response:
+    first.pop("kv_transfer_params", None)
+    if not body.get("stream"):
+        return JSONResponse(first)
+    chat = path.endswith("chat/completions")
+    for choice in first["choices"]:
+        if chat:
+            choice["delta"] = {"role": "assistant", "content": choice.pop("message")["content"]}
+    first["object"] = "chat.completion.chunk" if chat else "text_completion"
+    first.pop("usage", None)
+    return Response(sse(first) + sse("[DONE]"), media_type="text/event-stream")
+
+
+def build_proxy_app(prefill_url: str, decode_url: str) -> FastAPI:
+    proxy = Proxy(prefill_url, decode_url)
+    app = FastAPI(title="oasiskv proxy")
+
+    async def body_of(request: Request):
+        try:
+            return json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return e
+
+    for path in GENERATION_PATHS:
+        async def route(request: Request, path=path):
+            body = await body_of(request)
+            if isinstance(body, Exception):
+                return JSONResponse(error_body(f"the request body is not valid JSON: {body}", 400), status_code=400)
+            try:
+                return await proxy.generate(path, body)
+            except httpx.HTTPError as e:
+                return JSONResponse(error_body(f"an instance behind the proxy failed: {e!r}", 502), status_code=502)
+
+        app.post(path)(route)
+
+    @app.get("/health")
+    async def health():
+        return await proxy.health()
+
+    @app.get("/v1/models")
+    async def models():
+        return passthrough(await proxy.client.get(proxy.decode + "/v1/models"))
+
+    return app
+
+
+def serve_proxy(args) -> None:
+    import uvicorn
+
+    app = build_proxy_app(args.prefill, args.decode)
+    print(f"oasiskv proxy: prefill {args.prefill}, decode {args.decode}, on http://{args.host}:{args.port}", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)

@@ -1,0 +1,136 @@
+"""Prefill and decode engines in one process on a tiny random Llama, two NIXL agents talking over
+UCX: several remote requests decoded in one batch give the single-instance oasis tokens; a prefill
+frees a prompt's KV when told or after its timeout; a lost prefill fails only its own requests; bad
+kv_transfer_params are refused with a clear error."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("nixl_cu12")  # the wheel in pyproject.toml on x86-64 Linux
+os.environ.setdefault("UCX_TLS", "tcp")
+
+from oasiskv.config import CacheConfig, DisaggConfig, EngineConfig, KVConfig, SamplingParams, SchedulerConfig  # noqa: E402
+from oasiskv.disagg.decode import DecodeEngine  # noqa: E402
+from oasiskv.disagg.export import PrefillEngine  # noqa: E402
+from oasiskv.engine.engine import LLMEngine  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+FIRST = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory) -> EngineConfig:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    hf = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=True)
+    path = tmp_path_factory.mktemp("tiny")
+    AutoModelForCausalLM.from_config(hf, dtype=torch.float32).save_pretrained(path, safe_serialization=True)
+    # a 4-block budget over ~110-token prompts, one block prefetched per layer and step: sparse, blocks move
+    kv = KVConfig(mode="oasis", budget=64, sink_blocks=1, local_blocks=1, fetch_cap=0.25, draft="ngram")
+    return EngineConfig(model=str(path), dtype="float32", device="cpu", show_progress=False,
+                        cache=CacheConfig(num_kv_blocks=64), kv=kv, scheduler=SchedulerConfig(max_num_seqs=4))
+
+
+def prompts(n: int, length: int = 100) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 256, (length + 9 * i,), generator=g).tolist() for i in range(n)]
+
+
+def run(engine) -> None:
+    while engine.has_unfinished():
+        engine.step()
+
+
+def prefilled(prefill: PrefillEngine, rid: str, ids: list[int]) -> dict:
+    prefill.add_request(ids, FIRST, rid, kv_transfer_params={"do_remote_decode": True})
+    run(prefill)
+    return prefill.exporter.params_of(rid)
+
+
+def single_instance(config, ids_list) -> list[list[int]]:
+    engine = LLMEngine(config)
+    for i, ids in enumerate(ids_list):
+        engine.add_request(ids, GREEDY, str(i))
+    run(engine)
+    return [engine.requests[str(i)].output_token_ids for i in range(len(ids_list))]
+
+
+def test_batched_remote_decode_equals_single_instance(config):
+    ids_list = prompts(3)
+    prefill = PrefillEngine(config, DisaggConfig(role="prefill"))
+    decode = DecodeEngine(config, DisaggConfig(role="decode", remote_cache_blocks=1, local_kv_blocks=48))
+    for i, ids in enumerate(ids_list):
+        decode.add_request(ids, GREEDY, str(i), kv_transfer_params=prefilled(prefill, f"p{i}", ids))
+    run(decode)
+    assert [decode.requests[str(i)].output_token_ids for i in range(3)] == single_instance(config, ids_list)
+    for i in range(3):
+        stats = decode.remote.finished[str(i)]
+        assert stats["remote_kv_bytes"] > 0 and stats["local_host_kv_share"] <= 0.5, stats
+    assert decode.remote.chunks.entries_used == 0 and decode.allocator.num_free == decode.allocator.num_blocks
+    deadline = time.time() + 10
+    while prefill.exporter.exports and time.time() < deadline:  # the release notifications
+        prefill.exporter.tick()
+        time.sleep(0.05)
+    assert prefill.exporter.released == 3 and prefill.allocator.num_free == prefill.allocator.num_blocks
+
+
+def test_prefill_lease_runs_out_without_word_and_is_renewed_while_decoding(config):
+    kept, orphan = prompts(2)
+    prefill = PrefillEngine(config, DisaggConfig(role="prefill", release_timeout_s=2.0))
+    decode = DecodeEngine(config, DisaggConfig(role="decode"))
+    long = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+    decode.add_request(kept, long, "d", kv_transfer_params=prefilled(prefill, "kept", kept))
+    prefilled(prefill, "orphan", orphan)  # no decode instance ever claims it
+    start = time.monotonic()
+    while time.monotonic() - start < 4.5:  # well past the lease: decode's keep-alives renew it
+        decode.step()
+        prefill.exporter.tick()
+        time.sleep(0.02)
+    assert decode.has_unfinished() and list(prefill.exporter.exports) == ["kept"] and prefill.exporter.expired == 1
+    decode.abort("d")
+    deadline = time.time() + 10
+    while prefill.exporter.exports and time.time() < deadline:
+        prefill.exporter.tick()
+        time.sleep(0.05)
+    assert prefill.exporter.released == 1 and prefill.allocator.num_free == prefill.allocator.num_blocks
+
+
+def test_a_lost_prefill_fails_only_its_requests(config):
+    ids_list = prompts(2)
+    lost, kept = (PrefillEngine(config, DisaggConfig(role="prefill")) for _ in range(2))
+    decode = DecodeEngine(config, DisaggConfig(role="decode", remote_cache_blocks=0))
+    decode.add_request(ids_list[0], GREEDY, "lost", kv_transfer_params=prefilled(lost, "a", ids_list[0]))
+    decode.add_request(ids_list[1], GREEDY, "kept", kv_transfer_params=prefilled(kept, "b", ids_list[1]))
+    decode.step()
+    decode.remote.agent.forget(lost.exporter.agent.name)  # as after a disconnect: reads from it now fail
+    run(decode)
+    failed = decode.requests["lost"]
+    assert failed.finish_reason == "abort" and "prefill instance" in failed.error and "gone" in failed.error
+    assert decode.requests["kept"].output_token_ids == single_instance(config, ids_list)[1]
+    assert decode.remote.chunks.entries_used == 0 and decode.allocator.num_free == decode.allocator.num_blocks
+
+
+def test_bad_kv_transfer_params_are_refused(config):
+    decode = DecodeEngine(config, DisaggConfig(role="decode"))
+    ids = prompts(1)[0]
+    with pytest.raises(ValueError, match="kv_transfer_params its prefill"):
+        decode.add_request(ids, GREEDY, "plain")
+    prefill = PrefillEngine(config, DisaggConfig(role="prefill"))
+    params = prefilled(prefill, "p", ids)
+    with pytest.raises(ValueError, match="KV layout"):
+        decode.add_request(ids, GREEDY, "x", kv_transfer_params={**params, "layout": {**params["layout"], "head_dim": 8}})
+    with pytest.raises(ValueError, match="lease"):
+        decode.add_request(ids, GREEDY, "w", kv_transfer_params={**params, "lease_deadline": time.time() - 1})
+    with pytest.raises(ValueError, match="prompt tokens"):
+        decode.add_request(ids[:-1], GREEDY, "y", kv_transfer_params=params)
+    with pytest.raises(ValueError, match="max_tokens 1"):
+        prefill.add_request(ids, GREEDY, "z", kv_transfer_params={"do_remote_decode": True})
+    assert not decode.requests and decode.allocator.num_free == decode.allocator.num_blocks
+    with pytest.raises(ValueError, match="--kv-mode oasis"):
+        DecodeEngine(config.replace(kv=KVConfig(mode="quest", budget=64)), DisaggConfig(role="decode"))

@@ -1,0 +1,98 @@
+"""`oasiskv proxy` against stand-in prefill and decode servers (no model): what it sends to each,
+what it passes back (JSON, SSE, errors), and when the prefill's answer is the whole answer."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from oasiskv.disagg.proxy import build_proxy_app
+from oasiskv.server.app import BackgroundServer
+
+PARAMS = {"remote_agent": "a", "first_token_id": 7}
+
+
+def stand_ins(seen: dict) -> tuple[FastAPI, FastAPI]:
+    """A prefill that answers one token (stopping when the prompt says "stop"), and a decode that
+    echoes the body it got, as JSON or as two SSE events."""
+    prefill, decode = FastAPI(), FastAPI()
+
+    @prefill.post("/v1/completions")
+    @prefill.post("/v1/chat/completions")
+    async def prefill_route(request: Request):
+        body = seen["prefill"] = await request.json()
+        if body.get("prompt") == "bad":
+            return JSONResponse({"error": {"message": "prompt too long", "code": 400}}, status_code=400)
+        stops = body.get("prompt") == "stop" or body.get("messages", [{}])[0].get("content") == "stop"
+        choice = {"index": 0, "finish_reason": "stop" if stops else "length"}
+        choice.update({"message": {"role": "assistant", "content": "A"}} if "messages" in body else {"text": "A"})
+        params = None if stops or "kv_transfer_params" not in body else PARAMS
+        return {"id": "p", "object": "x", "choices": [choice], "usage": {}, "kv_transfer_params": params}
+
+    @decode.post("/v1/completions")
+    async def decode_route(request: Request):
+        body = seen["decode"] = await request.json()
+        if not body.get("stream"):
+            return {"choices": [{"text": "AB"}], "echo": body}
+
+        async def events():
+            for piece in ("A", "B"):
+                yield f"data: {json.dumps({'choices': [{'text': piece}]})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return prefill, decode
+
+
+@pytest.fixture(scope="module")
+def proxied():
+    seen: dict = {}
+    prefill, decode = stand_ins(seen)
+    with BackgroundServer(prefill) as prefill_url, BackgroundServer(decode) as decode_url:
+        with BackgroundServer(build_proxy_app(prefill_url, decode_url)) as url:
+            with httpx.Client(base_url=url, timeout=30) as client:
+                yield client, seen
+
+
+def test_prefill_then_decode_with_the_prefills_kv_transfer_params(proxied):
+    client, seen = proxied
+    seen.clear()
+    out = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5, "stream_options": None}).json()
+    assert seen["prefill"]["max_tokens"] == 1 and seen["prefill"]["kv_transfer_params"] == {"do_remote_decode": True}
+    assert "stream" not in seen["prefill"]
+    assert out["echo"] == {"prompt": "hi", "max_tokens": 5, "stream_options": None, "kv_transfer_params": PARAMS}
+
+
+def test_streams_pass_through(proxied):
+    client, seen = proxied
+    response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5, "stream": True})
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert response.text.split("\n\n")[:3] == ['data: {"choices": [{"text": "A"}]}', 'data: {"choices": [{"text": "B"}]}',
+                                               "data: [DONE]"]
+    assert seen["prefill"]["kv_transfer_params"] == {"do_remote_decode": True} and seen["decode"]["stream"] is True
+
+
+def test_the_prefill_alone_answers_one_token_and_a_first_token_stop(proxied):
+    client, seen = proxied
+    seen.clear()
+    one = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).json()
+    assert "kv_transfer_params" not in seen["prefill"] and "decode" not in seen and one["choices"][0]["text"] == "A"
+    stopped = client.post("/v1/completions", json={"prompt": "stop", "max_tokens": 5}).json()
+    assert "decode" not in seen and "kv_transfer_params" not in stopped and stopped["choices"][0]["finish_reason"] == "stop"
+    chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "stop"}], "stream": True})
+    events = [line[6:] for line in chat.text.split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    first = json.loads(events[0])
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["content"] == "A"
+
+
+def test_errors_pass_through(proxied):
+    client, _ = proxied
+    bad = client.post("/v1/completions", json={"prompt": "bad", "max_tokens": 5})
+    assert bad.status_code == 400 and bad.json()["error"]["message"] == "prompt too long"
+    garbled = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert garbled.status_code == 400 and "not valid JSON" in garbled.json()["error"]["message"]
