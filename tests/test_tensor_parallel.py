@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import gc
 import json
+import os
+import signal
+import time
 
 import pytest
 import torch
@@ -135,3 +138,16 @@ def test_sizes_that_do_not_divide_are_clear_errors(model, world, message):
 def test_unsupported_settings_fail_before_any_rank_starts(config, message):
     with pytest.raises(ValueError, match=message):
         LLMEngine(config)
+
+
+def test_a_dead_rank_fails_the_next_step_at_once_and_close_returns(tmp_path):
+    e = engine(tmp_path, "dense", 2)
+    worker = e.tp.procs[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join()
+    e.add_request([1, 2, 3], GREEDY)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank1 exited"):
+        e.step()
+    e.close()
+    assert time.monotonic() - t0 < 10

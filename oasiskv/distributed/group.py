@@ -47,6 +47,10 @@ class TensorParallel:
 
     def send_step(self, plan) -> None:
         """Rank 0: the step plan and the requests released before it, to every other rank."""
+        dead = [p for p in self.procs if not p.is_alive()]
+        if dead:
+            raise RuntimeError(f"tensor-parallel rank process {dead[0].name} exited (code {dead[0].exitcode}): "
+                               "this engine cannot run; close it and start a new one")
         t0 = time.perf_counter()
         self.broadcast((plan, self.released))
         self.released = []
