@@ -22,6 +22,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=ENGINE_DEFAULTS.dtype)
     g.add_argument("--device", default=ENGINE_DEFAULTS.device)
     g.add_argument("--seed", type=int, default=ENGINE_DEFAULTS.seed)
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=ENGINE_DEFAULTS.tensor_parallel_size,
+                   help="ranks (one process and one GPU each) sharing the model's heads and the KV cache")
     g.add_argument("--block-size", type=int, default=CACHE_DEFAULTS.block_size, choices=[16])
     g.add_argument("--gpu-memory-utilization", type=float, default=CACHE_DEFAULTS.gpu_memory_utilization)
     g.add_argument("--gpu-memory-gb", type=float, default=CACHE_DEFAULTS.gpu_memory_gb)
@@ -80,8 +82,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                   local_blocks=args.local_blocks, dense_layers=args.dense_layers, host_kv_gb=args.host_kv_gb,
                   fetch_cap=args.fetch_cap, draft=draft, draft_model=draft_model, miss_policy=args.miss_policy)
     return EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
-                        seed=args.seed, cache=cache, kv=kv, scheduler=sched, show_progress=True,
-                        enforce_eager=args.enforce_eager)
+                        seed=args.seed, tensor_parallel_size=args.tensor_parallel_size, cache=cache, kv=kv,
+                        scheduler=sched, show_progress=True, enforce_eager=args.enforce_eager)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -194,6 +194,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
     device: str = "auto"
     seed: int = 0  # seeds dummy weights and unseeded sampling
+    tensor_parallel_size: int = 1  # ranks: processes (one GPU each) sharing the model and the KV heads
     tokenizer: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     kv: KVConfig = field(default_factory=KVConfig)

@@ -108,7 +108,8 @@ def bench_one(engine, batch: int, input_len: int, output_len: int, hbm_gbps: flo
         raise RuntimeError(f"batch {batch} does not fit the KV memory at once; lower the batch or raise memory")
     for _ in range(warmup):
         engine.step()
-    weights = engine.weights_bytes()
+    ranks = engine.config.tensor_parallel_size  # every rank reads its weights; rank 0 counts its KV copies
+    weights = engine.weights_bytes() * ranks
     bytes_read, decode_s = 0, 0.0
     before = engine.policy.stats()
     for _ in range(output_len):
@@ -121,18 +122,19 @@ def bench_one(engine, batch: int, input_len: int, output_len: int, hbm_gbps: flo
     if any(r.finished for r in reqs):
         raise RuntimeError("a request finished inside the timed window")
     kv = kv_deltas(before, engine.policy.stats())
+    kv = {k: v * ranks if "bytes" in k else v for k, v in kv.items()}  # all ranks move the same blocks
     pcie = kv.get("kv_bytes_gathered", 0)
     for i in ids:
         engine.abort(i)
         engine.pop_finished(i)
     tokens = steps * batch
     return {
-        "mode": engine.policy.name, "batch": batch, "context": input_len, "decode_steps": steps, "prefill_s": round(prefill_s, 3),
+        "mode": engine.policy.name, "tp": ranks, "batch": batch, "context": input_len, "decode_steps": steps, "prefill_s": round(prefill_s, 3),
         "decode_s": round(decode_s, 4), "decode_tok_s": round(tokens / decode_s, 1),
         "step_ms": round(1000 * decode_s / steps, 3), "bytes_per_step_gb": round(bytes_read / steps / 1e9, 3),
         "achieved_gbps": round(bytes_read / decode_s / 1e9, 1),
         "pcie_gb_per_step": round(pcie / steps / 1e9, 4), "pcie_gbps": round(pcie / decode_s / 1e9, 2),
-        "roofline_pct": round(100 * bytes_read / decode_s / 1e9 / hbm_gbps, 1),
+        "roofline_pct": round(100 * bytes_read / decode_s / 1e9 / (hbm_gbps * ranks), 1),
         **lookahead_columns(kv, steps, decode_s),
     }
 

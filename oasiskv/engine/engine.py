@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from oasiskv.config import EngineConfig, SamplingParams
+from oasiskv.distributed.launch import start_tensor_parallel
+from oasiskv.distributed.setup import attach_score_combiner, shard_for_rank
 from oasiskv.engine.request import Request
 from oasiskv.engine.cuda_graph import DecodeGraphs
 from oasiskv.engine.runner import ModelRunner
@@ -56,24 +58,34 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.device = pick_device(config.device)
+        # --tensor-parallel-size N: this process is rank 0 and spawns the others (distributed/launch.py)
+        self.tp = start_tensor_parallel(config, pick_device(config.device).type)
+        self.device = self.tp.device if self.tp else pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
         loaded = load_model(config.model, config.load_format, self.device, self.dtype, config.seed,
-                            config.show_progress)
+                            config.show_progress, with_tokenizer=not self.tp or self.tp.is_leader)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_source = loaded.source
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         self.block_size = config.cache.block_size
-        gpu_cache = config.cache
+        kv_model_config, cache_cfg, kv_cfg = self.model_config, config.cache, config.kv
+        if self.tp:
+            rank = shard_for_rank(self.model, cache_cfg, kv_cfg, self.tp, self.device)
+            kv_model_config, cache_cfg, kv_cfg = rank.kv_model_config, rank.cache, rank.kv
+        gpu_cache = cache_cfg
         if config.kv.offloaded:  # --num-kv-blocks then sizes the host store; the GPU keeps its default
             gpu_cache = dataclasses.replace(gpu_cache, num_kv_blocks=None)
-        gpu_blocks = plan_num_blocks(self.model_config, gpu_cache, self.dtype, self.device,
+        gpu_blocks = plan_num_blocks(kv_model_config, gpu_cache, self.dtype, self.device,
                                      self.weights_bytes(), self.profile_activation_bytes())
+        if self.tp:
+            gpu_blocks = self.tp.agree_min(gpu_blocks)
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
-        kv = build_kv(self.model_config, config.cache, config.kv, gpu_blocks, self.max_model_len,
+        kv = build_kv(kv_model_config, cache_cfg, kv_cfg, gpu_blocks, self.max_model_len,
                       config.scheduler.max_num_seqs, self.dtype, self.device, timing=not use_graphs,
                       **self.kv_overrides())
         self.pool, self.host, self.policy, self.allocator = kv.pool, kv.host, kv.policy, kv.allocator
+        if self.tp:
+            attach_score_combiner(self.policy, self.tp, self.model_config)
         self.kv_description = kv.description
         sched_cfg = dataclasses.replace(config.scheduler, max_num_seqs=kv.max_running)
         self.scheduler = Scheduler(sched_cfg, self.allocator, self.block_size, self.max_model_len)
@@ -116,7 +128,13 @@ class LLMEngine:
 
     def stats_dict(self) -> dict:
         graphs = self.runner.graphs.counts if self.runner.graphs else {}
-        return {"kv_mode": self.policy.name, **self.stats.as_dict(), **graphs, **self.policy.stats()}
+        tp = self.tp.stats() if self.tp else {}
+        return {"kv_mode": self.policy.name, **self.stats.as_dict(), **graphs, **self.policy.stats(), **tp}
+
+    def close(self) -> None:
+        """Stops the other tensor-parallel ranks (also done when the engine is garbage-collected)."""
+        if self.tp and self.tp.is_leader:
+            self.tp.shutdown()
 
     def max_concurrency(self, tokens_per_request: int) -> int:
         """How many requests of this many tokens the KV memory (pool or host store) holds at once."""
@@ -150,7 +168,7 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is not None and not req.finished:
             self.scheduler.finish(req, "abort")
-            self.policy.release(request_id)
+            self.release_kv(request_id)
             self.release_draft(request_id)
             self.sampler.forget(request_id)
             req.kv_stats = self.policy.request_stats(request_id)
@@ -164,11 +182,13 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
         for rid in plan.preempted:
-            self.policy.release(rid)
+            self.release_kv(rid)
             self.release_draft(rid)
         if not plan.chunks:
             return []
         t0 = time.perf_counter()
+        if self.tp:
+            self.tp.send_step(plan)
         result = self.runner.execute(plan)
         params = [self.requests[r].params for r in result.request_ids]
         tokens = self.sampler.sample(result.logits, result.request_ids, params) if result.request_ids else []
@@ -203,6 +223,11 @@ class LLMEngine:
         for rid, token in self.drafter.propose(chunks, result.captured).items():
             self.requests[rid].draft_token_id = token
 
+    def release_kv(self, request_id: str) -> None:
+        self.policy.release(request_id)
+        if self.tp:  # the other ranks release it before the next plan
+            self.tp.note_release(request_id)
+
     def release_draft(self, request_id: str) -> None:
         if self.drafter is not None:
             self.drafter.release(request_id)
@@ -219,7 +244,7 @@ class LLMEngine:
         if reason is None:
             return False
         self.scheduler.finish(req, reason)
-        self.policy.release(req.request_id)
+        self.release_kv(req.request_id)
         self.release_draft(req.request_id)
         req.kv_stats = self.policy.request_stats(req.request_id)
         self.sampler.forget(req.request_id)

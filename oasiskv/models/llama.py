@@ -168,5 +168,6 @@ class CausalLM(nn.Module):
         return self.model.norm(x), captured
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:  # tied (tensor parallelism replaces lm_head by a vocab-parallel head)
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()

@@ -78,7 +78,8 @@ def read_hf_config(kind: str, location: str) -> dict:
 
 
 def load_model(model: str | None, load_format: str, device: torch.device, dtype: torch.dtype,
-               seed: int = 0, show_progress: bool = True) -> LoadedModel:
+               seed: int = 0, show_progress: bool = True, with_tokenizer: bool = True) -> LoadedModel:
+    """with_tokenizer=False (tensor-parallel ranks other than 0, which never see text): tokenizer None."""
     kind, location = resolve_source(model)
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"--load-format must be auto or dummy, got {load_format!r}")
@@ -88,14 +89,20 @@ def load_model(model: str | None, load_format: str, device: torch.device, dtype:
     net = empty_model(cfg, device, dtype)
     if load_format == "dummy":
         init_random(net, seed, show_progress)
-        tokenizer = ByteTokenizer()
     elif kind == "gguf":
         load_weights(net, gguf_tensors(location, cfg), show_progress)
-        tokenizer = HFTokenizer.from_gguf(location)
     else:
         load_weights(net, safetensors_tensors(location), show_progress)
-        tokenizer = dir_tokenizer(location)
+    tokenizer = load_tokenizer(kind, location, load_format) if with_tokenizer else None
     return LoadedModel(net.eval(), cfg, tokenizer, f"{kind}:{location}")
+
+
+def load_tokenizer(kind: str, location: str, load_format: str) -> HFTokenizer | ByteTokenizer:
+    if load_format == "dummy":
+        return ByteTokenizer()
+    if kind == "gguf":
+        return HFTokenizer.from_gguf(location)
+    return dir_tokenizer(location)
 
 
 def dir_tokenizer(directory: str) -> HFTokenizer | ByteTokenizer:

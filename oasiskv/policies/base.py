@@ -53,6 +53,8 @@ class KVPolicy:
     name = "base"
     wants_drafts = False  # True: the runner adds a draft token beside each decode token
     STEP_TENSORS: tuple[str, ...] = ()
+    # tensor parallelism: this rank's block scores [B, blocks] -> the whole model's (distributed/scores.py)
+    combine_scores = None
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         self.meta = meta

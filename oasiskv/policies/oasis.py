@@ -20,7 +20,7 @@ from collections import defaultdict
 
 import torch
 
-from oasiskv.kernels.block_select import block_scores, block_scores_reference, select_blocks_padded
+from oasiskv.kernels.block_select import select_blocks_padded
 from oasiskv.kernels.paged_decode import paged_decode_attention, paged_decode_reference
 from oasiskv.kernels.sparse_decode import sparse_decode_attention, sparse_decode_reference
 from oasiskv.policies.sparse import padded_to_csr
@@ -239,9 +239,8 @@ class OasisPolicy(TieredPolicy):
         rows = self.rows[None, :].expand(g, b).reshape(-1)
         host_tables = self.host_tables.repeat(g, 1)
         nblocks = ((draft_lens + self.block_size - 1) // self.block_size).to(torch.int32)
-        score = block_scores if self.cuda else block_scores_reference
-        scores = torch.cat([score(q, self.summaries.layer(layer), self.host_tables, nblocks)
-                            for layer, q in zip(layers, queries)])
+        scores = self.combined(torch.cat([self.local_scores(layer, q, self.host_tables, nblocks)
+                                          for layer, q in zip(layers, queries)]))  # one collective per group
         _, prediction = select_blocks_padded(scores, nblocks.repeat(g), self.budget_blocks, self.cfg.sink_blocks,
                                              self.cfg.local_blocks)
         ids = prediction.clamp(min=0).long()

@@ -96,13 +96,24 @@ class SparsePolicy(KVPolicy):
         """Selection of each decode query: (counts [B], padded logical ids [B, K], CSR indptr, indices)."""
         meta = self.meta
         nblocks = (meta.decode_seq_lens + self.block_size - 1) // self.block_size
-        score = block_scores if self.cuda else block_scores_reference
-        scores = score(q, self.summaries.layer(layer), score_tables, nblocks.to(torch.int32))
+        scores = self.score_blocks(layer, q, score_tables, nblocks.to(torch.int32))
         counts, padded = select_blocks_padded(scores, nblocks.to(torch.int32), self.budget_blocks,
                                               self.cfg.sink_blocks, self.cfg.local_blocks)
         indptr, indices = padded_to_csr(padded)
         self.selected_on_device += counts.sum()  # summed on the device: no sync per layer
         return counts, padded, indptr, indices
+
+    def score_blocks(self, layer: int, q: torch.Tensor, tables: torch.Tensor, nblocks: torch.Tensor) -> torch.Tensor:
+        """fp32 [B, blocks]: upper-bound scores of each query's blocks (all ranks' heads under tensor parallelism)."""
+        return self.combined(self.local_scores(layer, q, tables, nblocks))
+
+    def local_scores(self, layer: int, q: torch.Tensor, tables: torch.Tensor, nblocks: torch.Tensor) -> torch.Tensor:
+        score = block_scores if self.cuda else block_scores_reference
+        return score(q, self.summaries.layer(layer), tables, nblocks)
+
+    def combined(self, scores: torch.Tensor) -> torch.Tensor:
+        """This rank's block scores -> the whole model's (tensor parallelism: one collective); else as is."""
+        return scores if self.combine_scores is None else self.combine_scores(scores)
 
     def is_dense_layer(self, layer: int) -> bool:
         return layer < self.cfg.dense_layers or self.num_decode_blocks <= self.budget_blocks

@@ -1,0 +1,104 @@
+"""This process's place in the tensor-parallel group, and the collectives the engine needs.
+
+Tensors (activations, logits, block scores) go through the default group: NCCL on CUDA, gloo on
+the CPU. Plain data (the step plan, sizes the ranks agree on) goes through a second, gloo group, so
+it never waits on a GPU stream."""
+from __future__ import annotations
+
+import datetime
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)  # ranks load the model between collectives
+IDLE_TIMEOUT = datetime.timedelta(days=365)  # ranks wait for the next plan as long as the engine idles
+_current: weakref.ref | None = None  # the group of this process, if any (a weak reference: the engine owns it)
+
+
+@dataclass(eq=False)
+class TensorParallel:
+    rank: int
+    world: int
+    device: torch.device
+    cpu_group: dist.ProcessGroup
+    released: list[str] = field(default_factory=list)  # rank 0: requests released since the last plan
+    shutdown: object = None  # rank 0: stops the workers (idempotent); set by launch
+    procs: list = field(default_factory=list)  # rank 0: the spawned ranks' processes
+    combiner: object = None  # the sparse policy's ScoreCombiner, for its statistics
+    plans_sent: int = 0
+    plan_seconds: float = 0.0  # rank 0: pickling and broadcasting step plans
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    # -- plain data (gloo) ----------------------------------------------------------------------------
+    def agree_min(self, value: float) -> float:
+        """The smallest of every rank's value (memory each rank can spare), on every rank."""
+        t = torch.tensor([float(value)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return type(value)(t.item())
+
+    def note_release(self, request_id: str) -> None:
+        self.released.append(request_id)
+
+    def send_step(self, plan) -> None:
+        """Rank 0: the step plan and the requests released before it, to every other rank."""
+        dead = [p for p in self.procs if not p.is_alive()]
+        if dead:
+            raise RuntimeError(f"tensor-parallel rank process {dead[0].name} exited (code {dead[0].exitcode}): "
+                               "this engine cannot run; close it and start a new one")
+        t0 = time.perf_counter()
+        self.broadcast((plan, self.released))
+        self.released = []
+        self.plans_sent += 1
+        self.plan_seconds += time.perf_counter() - t0
+
+    def receive_step(self):
+        """Other ranks: (plan, released request ids), or None when the engine closes."""
+        return self.broadcast(None)
+
+    def stats(self) -> dict:
+        out = {"tp_size": self.world, "tp_plans_sent": self.plans_sent,
+               "tp_plan_broadcast_s": round(self.plan_seconds, 6)}
+        return {**out, **(self.combiner.stats() if self.combiner else {})}
+
+    def broadcast(self, message):
+        box = [message]
+        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+        return box[0]
+
+
+def current() -> TensorParallel | None:
+    return _current() if _current is not None else None
+
+
+def join_group(rank: int, world: int, init_file: str, device_type: str) -> TensorParallel:
+    """Joins the group through a file rendezvous; cuda ranks use GPU `rank`."""
+    global _current
+    if dist.is_initialized():
+        raise RuntimeError("a tensor-parallel engine is already running in this process (or torch.distributed "
+                           "was initialised by the caller): close it first")
+    if device_type == "cuda":
+        if torch.cuda.device_count() < world:
+            raise ValueError(f"--tensor-parallel-size {world} needs {world} GPUs, {torch.cuda.device_count()} visible")
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        device = torch.device("cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=COLLECTIVE_TIMEOUT)
+    tp = TensorParallel(rank, world, device, dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT))
+    _current = weakref.ref(tp)
+    return tp
+
+
+def leave_group() -> None:
+    global _current
+    _current = None
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,153 @@
+"""Tensor parallelism on the CPU (gloo): a small random Qwen3-shaped model, TP2 against one process.
+
+The reference is the same engine in one process: greedy tokens and the block selections (counted
+by the policy) must be the same, including across an abort and a rejected request. Shutdown must
+leave no process behind, whether the engine is closed or garbage-collected."""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from oasiskv.config import CacheConfig, EngineConfig, KVConfig, ModelConfig, SamplingParams, SchedulerConfig
+from oasiskv.distributed.scores import combine_gathered
+from oasiskv.distributed.shard import check_shardable, plan_shard
+from oasiskv.engine.engine import LLMEngine
+from oasiskv.kernels.block_select import block_scores_reference
+
+VOCAB = 301  # not a multiple of 2: the last vocabulary shard is padded
+QWEN3 = {"model_type": "qwen3", "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+         "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000, "tie_word_embeddings": False}
+KV = {"dense": {}, "quest": {}, "oasis": {"fetch_cap": 0.34, "host_kv_gb": 0.01}}
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+COUNTERS = ("preemptions", "kv_selected_blocks", "kv_hits", "kv_misses", "kv_prefetched_blocks", "kv_agree_hits")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # ranks share the CPU cores
+    yield
+    torch.set_num_threads(threads)
+
+
+def engine(tmp_path, mode: str, tp: int, **model) -> LLMEngine:
+    """dense: a pool of 12 blocks, too few for the three first requests at once (preemption)."""
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN3, **model}))
+    kv = KVConfig(mode=mode, budget=48, sink_blocks=1, local_blocks=1, **KV[mode])
+    return LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy", dtype="float32", seed=1,
+                                  show_progress=False, tensor_parallel_size=tp, kv=kv,
+                                  cache=CacheConfig(kv_cache_gb=0.05, num_kv_blocks=12 if mode == "dense" else None),
+                                  scheduler=SchedulerConfig(max_num_batched_tokens=96)))
+
+
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (70, 130, 45, 90)]
+
+
+def drive(e: LLMEngine) -> tuple[dict[str, list[int]], dict]:
+    """Three requests (chunked prefill: 96 tokens a step), one aborted mid-way, one rejected, one
+    arriving late."""
+    p = prompts()
+    for i in range(3):
+        e.add_request(p[i], GREEDY, request_id=str(i))
+    done = {}
+    for step in range(8):
+        done.update({r.request_id: r.output_token_ids for r in e.step()})
+        if step == 3:
+            e.abort("1")
+            with pytest.raises(ValueError, match="out of range"):
+                e.add_request([VOCAB + 5], GREEDY)
+            e.add_request(p[3], GREEDY, request_id="3")
+    while e.has_unfinished():
+        done.update({r.request_id: r.output_token_ids for r in e.step()})
+    stats = e.stats_dict()
+    return done, {k: stats.get(k) for k in COUNTERS}
+
+
+def workers_exit(procs) -> bool:
+    for p in procs:
+        p.join(15)
+    return all(p.exitcode == 0 for p in procs)
+
+
+@pytest.mark.parametrize("mode", ["dense", "quest", "oasis"])
+def test_tp2_equals_one_process(tmp_path, mode):
+    """quest runs with ONE KV head: replicated on both ranks, scores combined by all-gather (max, sum);
+    dense and oasis split two KV heads (scores all-reduced). dense preempts requests (recompute)."""
+    model = {"num_key_value_heads": 1} if mode == "quest" else {}
+    want, want_stats = drive(engine(tmp_path, mode, 1, **model))
+    tp = engine(tmp_path, mode, 2, **model)
+    procs = tp.tp.procs
+    got, got_stats = drive(tp)
+    assert set(got) == {"0", "2", "3"} and got == want
+    assert got_stats == want_stats  # the same selections, hits and prefetches on rank 0 as in one process
+    if mode == "dense":
+        assert want_stats["preemptions"] > 0
+    else:
+        assert tp.stats_dict()["tp_score_combines"] > 0 and want_stats["kv_selected_blocks"] > 0
+    if mode == "oasis":  # garbage collection stops the ranks
+        del tp
+        gc.collect()
+    else:
+        tp.close()
+    assert workers_exit(procs)
+
+
+def test_combine_gathered_equals_the_whole_model_score():
+    """Replicated KV heads: per-rank scores (max over the rank's query heads) combine into the score
+    of all heads: max over the ranks sharing a KV head, sum over KV heads."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 8, 16, generator=gen)  # 8 query heads, 2 KV heads; TP4: 2 ranks per KV head
+    mn = torch.randn(20, 2, 16, generator=gen)
+    summaries = torch.stack([mn, mn + torch.rand(20, 2, 16, generator=gen)], dim=1)
+    tables = torch.randperm(20, generator=gen)[:12].to(torch.int32).repeat(3, 1)
+    nblocks = torch.tensor([12, 7, 1], dtype=torch.int32)
+    cfg = ModelConfig.from_hf({**QWEN3, "num_attention_heads": 8, "num_key_value_heads": 2})
+    parts = []
+    for rank in range(4):
+        s = plan_shard(cfg, rank, 4)
+        assert s.kv_replicas == 2 and len(s.kv_heads) == 1
+        parts.append(block_scores_reference(q[:, s.q_heads.start:s.q_heads.stop], summaries[:, :, s.kv_heads.start:
+                                            s.kv_heads.stop], tables, nblocks))
+    whole = block_scores_reference(q, summaries, tables, nblocks)
+    torch.testing.assert_close(combine_gathered(torch.stack(parts), 2), whole)
+
+
+@pytest.mark.parametrize("model, world, message", [
+    ({"num_attention_heads": 4}, 3, "4 attention heads"),
+    ({"num_key_value_heads": 4, "num_attention_heads": 12}, 6, "4 KV heads"),
+    ({"intermediate_size": 100}, 8, "100 columns"),
+])
+def test_sizes_that_do_not_divide_are_clear_errors(model, world, message):
+    with pytest.raises(ValueError, match=message):
+        check_shardable(ModelConfig.from_hf({**QWEN3, **model}), world)
+
+
+@pytest.mark.parametrize("config, message", [
+    (EngineConfig(tensor_parallel_size=0), "must be >= 1"),
+    (EngineConfig(tensor_parallel_size=2, kv=KVConfig(mode="oasis", draft="eagle3")), "eagle3 is not supported"),
+])
+def test_unsupported_settings_fail_before_any_rank_starts(config, message):
+    with pytest.raises(ValueError, match=message):
+        LLMEngine(config)
+
+
+def test_a_dead_rank_fails_the_next_step_at_once_and_close_returns(tmp_path):
+    e = engine(tmp_path, "dense", 2)
+    worker = e.tp.procs[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join()
+    e.add_request([1, 2, 3], GREEDY)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank1 exited"):
+        e.step()
+    e.close()
+    assert time.monotonic() - t0 < 10
