@@ -13,6 +13,25 @@ import torch  # noqa: E402
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def gguf_dequantized_once():
+    """Most test files build engines of the embedded model: its GGUF is dequantized once per session
+    (load_weights copies the tensors into each model, so no engine shares or changes them)."""
+    from oasiskv.models import loader
+
+    original, cache = loader.gguf_tensors, {}
+
+    def cached(path, cfg):
+        key = os.path.abspath(path)
+        if key not in cache:
+            cache[key] = list(original(path, cfg))
+        return iter(cache[key])
+
+    loader.gguf_tensors = cached
+    yield
+    loader.gguf_tensors = original
+
+
 @pytest.fixture(scope="session")
 def smollm_llm():
     from oasiskv.api import LLM

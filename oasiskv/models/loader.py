@@ -2,6 +2,7 @@
 weights (--load-format dummy) for any config, including the configs shipped in models/configs."""
 from __future__ import annotations
 
+import functools
 import glob
 import importlib.resources
 import importlib.util
@@ -72,9 +73,16 @@ def read_hf_config(kind: str, location: str) -> dict:
     if kind == "hf_dir":
         with open(os.path.join(location, "config.json")) as f:
             return json.load(f)
+    stat = os.stat(location)
+    return dict(gguf_config(os.path.abspath(location), stat.st_mtime_ns, stat.st_size))
+
+
+@functools.lru_cache(maxsize=4)
+def gguf_config(path: str, mtime_ns: int, size: int) -> dict:
+    """The HF config in a GGUF's metadata (parsing it reads the whole vocabulary: once per file per process)."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    return load_gguf_checkpoint(location, return_tensors=False)["config"]
+    return load_gguf_checkpoint(path, return_tensors=False)["config"]
 
 
 def load_model(model: str | None, load_format: str, device: torch.device, dtype: torch.dtype,

@@ -1,6 +1,7 @@
 """Tokenizers: transformers' (from a GGUF file or an HF directory), or bytes for random-weight models."""
 from __future__ import annotations
 
+import functools
 import os
 from typing import Sequence
 
@@ -11,9 +12,8 @@ class HFTokenizer:
 
     @classmethod
     def from_gguf(cls, path: str) -> "HFTokenizer":
-        from transformers import AutoTokenizer
-
-        return cls(AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path)))
+        stat = os.stat(path)
+        return cls(_gguf_tokenizer(os.path.abspath(path), stat.st_mtime_ns, stat.st_size))
 
     @classmethod
     def from_dir(cls, path: str) -> "HFTokenizer":
@@ -62,3 +62,12 @@ class ByteTokenizer:
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
         return self.encode(text)
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_tokenizer(path: str, mtime_ns: int, size: int):
+    """Building a fast tokenizer from a GGUF's vocabulary takes seconds: once per file (and version) per
+    process. The tokenizer is only read, so engines share it."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
