@@ -87,13 +87,17 @@ class SparsePolicy(KVPolicy):
         """Selection of each decode query: (counts [B], padded logical ids [B, K], CSR indptr, indices)."""
         meta = self.meta
         nblocks = (meta.decode_seq_lens + self.block_size - 1) // self.block_size
-        score = block_scores if self.cuda else block_scores_reference
-        scores = score(q, self.summaries.layer(layer), score_tables, nblocks.to(torch.int32))
+        scores = self.block_scores(layer, q, score_tables, nblocks.to(torch.int32))
         counts, padded = select_blocks_padded(scores, nblocks.to(torch.int32), self.budget_blocks,
                                               self.cfg.sink_blocks, self.cfg.local_blocks)
         indptr, indices = padded_to_csr(counts, padded)
         self.selected_on_device += counts.sum()  # summed on the device: no sync per layer
         return counts, padded, indptr, indices
+
+    def block_scores(self, layer: int, q: torch.Tensor, tables: torch.Tensor, nblocks: torch.Tensor) -> torch.Tensor:
+        """[B, max_blocks] score of every logical block (Quest's upper bound over the summaries)."""
+        score = block_scores if self.cuda else block_scores_reference
+        return score(q, self.summaries.layer(layer), tables, nblocks)
 
     def is_dense_layer(self, layer: int) -> bool:
         return layer < self.cfg.dense_layers or self.num_decode_blocks <= self.budget_blocks
