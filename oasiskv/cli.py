@@ -29,7 +29,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=SCHED_DEFAULTS.max_num_batched_tokens)
     g.add_argument("--max-model-len", type=int, default=SCHED_DEFAULTS.max_model_len)
     k = p.add_argument_group("sparse KV")
-    k.add_argument("--kv-mode", default=KV_DEFAULTS.mode, choices=KV_MODES)
+    k.add_argument("--kv-mode", default=KV_DEFAULTS.mode, choices=KV_MODES,
+                   help="oracle: exact attention mass picks the blocks (eval only: the upper bound)")
     k.add_argument("--kv-budget", type=int, default=KV_DEFAULTS.budget, help="KV tokens per request per layer")
     k.add_argument("--sink-blocks", type=int, default=KV_DEFAULTS.sink_blocks)
     k.add_argument("--local-blocks", type=int, default=KV_DEFAULTS.local_blocks, help="counted inside the budget")
