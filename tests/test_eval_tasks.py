@@ -69,16 +69,17 @@ def test_variable_tracking_answers_match_a_brute_force_resolution(haystack):
 
         value = re.search(r"assigned the value (\d{5}) in the text", text).group(1)
         assert sorted(s.answers) == sorted(n for n in assigned if resolve(n) == value)
-        assert len(s.answers) == 5
+        assert len(s.answers) == 2 and text.endswith("they are: VAR")
 
 
 def test_common_words_answers_are_the_most_frequent(haystack):
     for s in make_samples("cwe", haystack, CONTEXT, 3, seed=3):
-        listed = re.findall(r"\d+\. ([a-z]+)", prompt_text(s).split("\n\n")[1])
+        listed = prompt_text(s).split("\n\n")[1].split(", ")
         counts = Counter(listed).most_common()
-        top = [w for w, _ in counts[:3]]
-        assert sorted(top) == sorted(s.answers)
-        assert counts[2][1] > counts[3][1]  # a strict gap: the answer is unambiguous
+        k = len(s.answers)
+        assert sorted(w for w, _ in counts[:k]) == sorted(s.answers)
+        assert counts[k - 1][1] > counts[k][1]  # a strict gap: the answer is unambiguous
+        assert all(w.isalpha() and len(w) <= 7 for w in listed)
 
 
 def test_insert_sentences_keeps_order_and_depth():
