@@ -35,7 +35,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", default=ENGINE_DEFAULTS.enforce_eager,
                    help="never replay CUDA graphs (on the GPU, decode-only steps replay them by default)")
     k = p.add_argument_group("sparse KV")
-    k.add_argument("--kv-mode", default=KV_DEFAULTS.mode, choices=KV_MODES)
+    k.add_argument("--kv-mode", default=KV_DEFAULTS.mode, choices=KV_MODES,
+                   help="oracle: exact attention mass picks the blocks (eval only: the upper bound)")
     k.add_argument("--kv-budget", type=int, default=KV_DEFAULTS.budget, help="KV tokens per request per layer")
     k.add_argument("--sink-blocks", type=int, default=KV_DEFAULTS.sink_blocks)
     k.add_argument("--local-blocks", type=int, default=KV_DEFAULTS.local_blocks, help="counted inside the budget")

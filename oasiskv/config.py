@@ -86,7 +86,7 @@ class CacheConfig:
     cpu_kv_cache_gb: float = 2.0  # default pool cap on machines without a GPU
 
 
-KV_MODES = ("dense", "quest", "retrieval", "oasis")
+KV_MODES = ("dense", "quest", "retrieval", "oasis", "oracle")  # oracle: eval only
 DRAFTS = ("ngram", "repeat", "eagle3")
 MISS_POLICIES = ("skip", "fetch")
 

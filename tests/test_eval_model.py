@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from oasiskv.config import CacheConfig, EngineConfig, SchedulerConfig
+from oasiskv.config import CacheConfig, EngineConfig, SamplingParams, SchedulerConfig
 from oasiskv.evals.forced import teacher_forced
 from oasiskv.evals.harness import DENSE, Variant, build_llm, shared_weights, variant_config
 from oasiskv.evals.texts import load_corpus
@@ -28,7 +28,8 @@ def engines():
                         scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=2))
     with shared_weights():
         yield {v: build_llm(variant_config(base, v)) for v in
-               (DENSE, Variant("quest", 128), Variant("quest", 1024), Variant("retrieval", 128))}
+               (DENSE, Variant("quest", 128), Variant("quest", 1024), Variant("retrieval", 128),
+                Variant("oracle", 128), Variant("oracle", 1024))}
 
 
 @pytest.fixture(scope="module")
@@ -54,13 +55,31 @@ def test_budget_above_context_equals_dense(engines, window, dense_scores):
     assert max(got.kl) < 1e-6
 
 
-def test_small_budget_really_selects_and_quest_equals_retrieval(engines, window, dense_scores):
-    quest = teacher_forced(engines[Variant("quest", 128)], [window], SCORED, reference=[dense_scores.rows])[0]
-    retrieval = teacher_forced(engines[Variant("retrieval", 128)], [window], SCORED,
-                               reference=[dense_scores.rows])[0]
+def test_oracle_budget_above_context_generates_dense_tokens(engines, window):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    dense, oracle = (engines[v].generate([window[:200]], params, use_tqdm=False)[0].outputs[0].token_ids
+                     for v in (DENSE, Variant("oracle", 1024)))
+    assert oracle == dense
+
+
+@pytest.fixture(scope="module")
+def small_budget(engines, window, dense_scores):
+    """Teacher-forced scores at 8 of 32 blocks, per mode."""
+    return {mode: teacher_forced(engines[Variant(mode, 128)], [window], SCORED, reference=[dense_scores.rows])[0]
+            for mode in ("quest", "retrieval", "oracle")}
+
+
+def test_small_budget_really_selects_and_quest_equals_retrieval(small_budget):
+    quest, retrieval = small_budget["quest"], small_budget["retrieval"]
     assert sum(quest.kl) / SCORED > 1e-3  # 8 of 32 blocks: the distribution moves
     assert quest.top1 == retrieval.top1
     torch.testing.assert_close(torch.tensor(quest.kl), torch.tensor(retrieval.kl), atol=1e-4, rtol=1e-3)
+
+
+def test_oracle_is_the_upper_bound_of_selection(small_budget):
+    """At the same budget the exact attention mass picks blocks better than Quest's bound: a lower
+    KL from dense, while still really sparse."""
+    assert 0 < sum(small_budget["oracle"].kl) < sum(small_budget["quest"].kl)
 
 
 def test_eval_command_end_to_end(tmp_path, capsys):
@@ -69,11 +88,15 @@ def test_eval_command_end_to_end(tmp_path, capsys):
     out_json, out_png = tmp_path / "eval.json", tmp_path / "eval.png"
     with shared_weights():
         main(["eval", "--quick", "--corpus", "sample", "--context", "384", "--kv-budget", "96", "--modes",
-              "dense,quest", "--tasks", "ppl,copy,niah_single,long_output", "--samples", "1", "--windows", "2",
-              "--scored", "8", "--gen-tokens", "8", "--json", str(out_json), "--plot", str(out_png)])
+              "dense,quest,oasis", "--fetch-cap", "0.05,0.1", "--tasks", "ppl,copy,niah_single,long_output",
+              "--samples", "1", "--windows", "2", "--scored", "8", "--gen-tokens", "8", "--json", str(out_json),
+              "--plot", str(out_png)])
     printed = capsys.readouterr().out
-    assert "quest@96" in printed and "niah_single.score" in printed
+    assert "niah_single.score" in printed and "budget 96" in printed
+    # 4.8 and 9.6 tokens: below one block, so the sweep skips them (and says so) instead of failing
+    assert "not run (fetch cap x budget below one block): oasis@0.05 budget=96, oasis@0.1 budget=96" in printed
     results = json.loads(out_json.read_text())["results"]
+    assert {r["series"] for r in results} == {"dense", "quest"}
     dense = {(r["task"], r["metric"]): r["value"] for r in results if r["mode"] == "dense"}
     assert 1 < dense[("ppl", "ppl")] < 100
     assert dense[("copy", "copy_acc")] > 80  # the second copy of a passage is predictable

@@ -9,7 +9,8 @@ import sys
 import time
 
 # (full run, --quick) defaults of the flags whose value depends on --quick
-SIZES = {"context": ("4096,8192", "1024"), "kv_budget": ("512,1024,2048", "256"), "samples": (20, 2),
+# (--quick's budget 512 lets oasis run at the default cap: 0.05 x 512 tokens is one block)
+SIZES = {"context": ("4096,8192", "1024"), "kv_budget": ("512,1024,2048", "512"), "samples": (20, 2),
          "windows": (8, 2), "scored": (256, 16), "gen_tokens": (256, 16), "batch": (20, 4)}
 
 
@@ -31,13 +32,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     from oasiskv.evals.texts import CORPORA
 
     g = p.add_argument_group("eval")
-    g.add_argument("--modes", "--kv-mode", dest="modes", type=csv(str), default=csv(str)("dense,quest,retrieval"),
+    g.add_argument("--modes", "--kv-mode", dest="modes", type=csv(str),
+                   default=csv(str)("dense,quest,retrieval,oasis,oracle"),
                    help="KV modes to compare with dense (dense always runs as the anchor)")
     g.add_argument("--context", type=csv(int), default=None, help=f"context lengths (default {SIZES['context'][0]}; "
                    f"--quick {SIZES['context'][1]})")
     g.add_argument("--kv-budget", type=csv(int), default=None,
                    help=f"budgets in tokens (default {SIZES['kv_budget'][0]}; --quick {SIZES['kv_budget'][1]})")
-    g.add_argument("--fetch-cap", type=csv(float), default=None, help="oasis fetch caps, e.g. 0.01,0.05,1")
+    g.add_argument("--fetch-cap", type=csv(float), default=None,
+                   help="oasis fetch caps, a sweep: each cap is its own row (oasis@0.01, oasis@0.05, ...)")
     g.add_argument("--draft", type=csv(str), default=None, help="oasis draft sources, e.g. ngram,repeat")
     g.add_argument("--tasks", type=csv(str), default=list(ALL_TASKS), help=f"subset of {','.join(ALL_TASKS)}")
     g.add_argument("--corpus", default="austen", choices=CORPORA, help="haystack and perplexity text")
@@ -49,7 +52,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch", type=int, default=None, help="requests run at once")
     g.add_argument("--task-seed", type=int, default=0, help="seed of the task generators")
     g.add_argument("--chat", action="store_true", help="wrap synthetic prompts in the chat template")
-    g.add_argument("--json", default=None, help="write the results here")
+    g.add_argument("--json", default=None, help="write the results here (rewritten after each configuration)")
     g.add_argument("--plot", default=None, help="write a PNG of drop against budget here")
     g.add_argument("--quick", action="store_true", help="a small run for the CPU (a few minutes)")
 
@@ -75,7 +78,7 @@ def base_config(args: argparse.Namespace):
 
 
 def main(args: argparse.Namespace) -> None:
-    from oasiskv.evals.harness import expand_variants, run_eval
+    from oasiskv.evals.harness import expand_variants, run_eval, split_runnable
     from oasiskv.evals.report import plot, table, write_json
     from oasiskv.evals.tasks import Settings
     from oasiskv.evals.texts import load_corpus
@@ -83,20 +86,24 @@ def main(args: argparse.Namespace) -> None:
     fill_sizes(args)
     settings = Settings(samples=args.samples, windows=args.windows, scored=args.scored, gen_tokens=args.gen_tokens,
                         seed=args.task_seed, chat=args.chat)
-    variants = expand_variants(args.modes, args.kv_budget, args.fetch_cap, args.draft)
     t0 = time.perf_counter()
     try:
+        config = base_config(args)
+        caps = args.fetch_cap or [config.kv.fetch_cap]  # oasis rows always name their cap (oasis@0.05)
+        variants, skipped = split_runnable(expand_variants(args.modes, args.kv_budget, caps, args.draft),
+                                           config.cache.block_size)
         documents = load_corpus(args.corpus, args.cache_dir)
-        rows = run_eval(base_config(args), args.context, variants, args.tasks, settings, documents, args.batch,
-                        log=lambda m: print(m, file=sys.stderr, flush=True))
+        settings_used = {**{k: v for k, v in vars(args).items() if k != "func"},
+                         "skipped": [v.label for v in skipped]}
+        save = (lambda rows: write_json(args.json, rows, settings_used)) if args.json else None
+        rows = run_eval(config, args.context, variants, args.tasks, settings, documents, args.batch,
+                        log=lambda m: print(m, file=sys.stderr, flush=True), checkpoint=save)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         raise SystemExit(f"error: {e}")
-    print(table(rows))
+    print(table(rows, [v.label for v in skipped]))
     print(f"{len(variants) + 1} configurations x {len(args.context)} contexts in {time.perf_counter() - t0:.0f} s")
-    config = {k: v for k, v in vars(args).items() if k != "func"}
     if args.json:
-        write_json(args.json, rows, config)
-        print(f"wrote {args.json}")
+        print(f"wrote {args.json} (also after each configuration)")
     if args.plot and variants:
         plot(args.plot, rows)
         print(f"wrote {args.plot}")

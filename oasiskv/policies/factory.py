@@ -14,6 +14,7 @@ from oasiskv.kv.working_set import WorkingSet
 from oasiskv.policies.base import KVPolicy
 from oasiskv.policies.dense import DensePolicy
 from oasiskv.policies.oasis import OasisPolicy
+from oasiskv.policies.oracle import OraclePolicy
 from oasiskv.policies.sparse import QuestPolicy
 from oasiskv.policies.tiered import RetrievalPolicy
 
@@ -40,12 +41,12 @@ def build_kv(model_cfg: ModelConfig, cache: CacheConfig, kv: KVConfig, gpu_kv_bl
         pool = KVPool(model_cfg, gpu_kv_blocks, bs, dtype, device)
         return KVSetup(DensePolicy(pool, scale), BlockAllocator(gpu_kv_blocks), max_num_seqs, pool, None,
                        f"dense: {gpu_kv_blocks} GPU blocks")
-    if kv.mode == "quest":
+    if kv.mode in ("quest", "oracle"):  # oracle: quest's storage, exact attention mass for scores
         blocks = gpu_kv_blocks if cache.num_kv_blocks else gpu_kv_blocks * bs // (bs + 1)  # room for summaries
         pool = KVPool(model_cfg, blocks, bs, dtype, device)
         summaries = BlockSummaries(model_cfg, blocks, dtype, device)
-        policy = QuestPolicy(pool, kv, summaries, bs, scale, device, timing)
-        return KVSetup(policy, BlockAllocator(blocks), max_num_seqs, pool, None, f"quest: {blocks} GPU blocks")
+        policy = (OraclePolicy if kv.mode == "oracle" else QuestPolicy)(pool, kv, summaries, bs, scale, device, timing)
+        return KVSetup(policy, BlockAllocator(blocks), max_num_seqs, pool, None, f"{kv.mode}: {blocks} GPU blocks")
     return build_retrieval(model_cfg, cache, kv, gpu_kv_blocks, max_model_len, max_num_seqs, dtype, device, timing,
                            **tiered)
 
