@@ -9,12 +9,13 @@ import time
 import torch
 
 MODE_COLUMNS = ("mode", "max_concurrency_held", "num_prompts", "requests_per_s", "output_tok_s", "total_tok_s",
-                "mean_tpot_ms", "decode_tok_s", "decode_step_ms", "pcie_gb_per_step", "hit_rate", "agreement",
-                "output_vs_dense", "decode_vs_dense")
+                "mean_tpot_ms", "decode_tok_s", "decode_step_ms", "replay_step_ms", "pcie_gb_per_step", "hit_rate",
+                "agreement", "output_vs_dense", "decode_vs_dense")
 SWEEP_COLUMNS = ("mode", "concurrency", "max_concurrency_held", "output_tok_s", "decode_tok_s", "decode_step_ms",
-                 "mean_tpot_ms", "pcie_gb_per_step", "roofline_fraction")
+                 "replay_step_ms", "mean_tpot_ms", "pcie_gb_per_step", "roofline_fraction")
 CAP_COLUMNS = ("fetch_cap", "max_concurrency_held", "output_tok_s", "decode_tok_s", "decode_step_ms",
-               "pcie_gb_per_step", "prefetch_gb_per_step", "prefetch_exposed_ms_per_step", "hit_rate", "agreement")
+               "replay_step_ms", "pcie_gb_per_step", "prefetch_gb_per_step", "prefetch_exposed_ms_per_step", "hit_rate",
+               "agreement")
 
 
 def add_ratios(rows: list[dict]) -> list[dict]:

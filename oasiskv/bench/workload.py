@@ -74,6 +74,9 @@ class StepLog:
     hbm_bytes: int = 0  # weights + KV the pure decode steps must read
     steps_with_decodes: int = 0
     max_held: int = 0  # most requests decoding in one step
+    replay_steps: int = 0  # pure decode steps replayed from a CUDA graph (no eager run, no capture)
+    replay_time_s: float = 0.0
+    replay_tokens: int = 0
 
 
 def run_workload(engine, prompts: list[list[int]], output_len: int, concurrency: int, desc: str = "") -> dict:
@@ -92,11 +95,12 @@ def run_workload(engine, prompts: list[list[int]], output_len: int, concurrency:
         kv = sum(kv_bytes_read(engine, r.num_tokens) for r in decoding)
         prefill0, decode0 = engine.stats.prefill_tokens, engine.stats.decode_tokens
         out0 = sum(len(engine.requests[r].output_token_ids) for r in live)
+        replays0 = graph_replays(engine)
         t = time.perf_counter()
         finished = engine.step()
         dt = time.perf_counter() - t
         record_step(log, dt, engine.stats.decode_tokens - decode0, engine.stats.prefill_tokens - prefill0,
-                    weights + kv)
+                    weights + kv, replayed=graph_replays(engine) > replays0)
         bar.update(sum(len(engine.requests[r].output_token_ids) for r in live) - out0)
         for req in finished:
             live.remove(req.request_id)
@@ -106,7 +110,13 @@ def run_workload(engine, prompts: list[list[int]], output_len: int, concurrency:
     return summarize(engine, done, log, elapsed, stats0, kv_deltas(before, engine.policy.stats()), concurrency)
 
 
-def record_step(log: StepLog, dt: float, decodes: int, prefills: int, step_bytes: int) -> None:
+def graph_replays(engine) -> int:
+    graphs = engine.runner.graphs
+    return graphs.counts["cuda_graph_replays"] if graphs is not None else 0
+
+
+def record_step(log: StepLog, dt: float, decodes: int, prefills: int, step_bytes: int,
+                replayed: bool = False) -> None:
     log.max_held = max(log.max_held, decodes)
     log.steps_with_decodes += decodes > 0
     if decodes and not prefills:
@@ -114,6 +124,10 @@ def record_step(log: StepLog, dt: float, decodes: int, prefills: int, step_bytes
         log.decode_time_s += dt
         log.decode_tokens += decodes
         log.hbm_bytes += step_bytes
+    if replayed:
+        log.replay_steps += 1
+        log.replay_time_s += dt
+        log.replay_tokens += decodes
 
 
 def summarize(engine, done, log: StepLog, elapsed: float, stats0: dict, kv: dict, concurrency: int) -> dict:
@@ -145,9 +159,14 @@ def summarize(engine, done, log: StepLog, elapsed: float, stats0: dict, kv: dict
 
 
 def steady_state(log: StepLog) -> dict:
+    """Pure decode steps; and apart, those replayed from a CUDA graph (the steady state on the GPU: a new
+    batch size first runs eagerly, then is captured)."""
+    replays = {"replay_steps": log.replay_steps,
+               "replay_step_ms": round(1000 * log.replay_time_s / log.replay_steps, 3) if log.replay_steps else None,
+               "replay_tok_s": round(log.replay_tokens / log.replay_time_s, 2) if log.replay_steps else None}
     if not log.decode_steps:
-        return {"decode_step_ms": None, "decode_tok_s": None, "hbm_gb_per_step": None}
-    return {"decode_step_ms": round(1000 * log.decode_time_s / log.decode_steps, 3),
+        return {"decode_step_ms": None, "decode_tok_s": None, "hbm_gb_per_step": None, **replays}
+    return {**replays, "decode_step_ms": round(1000 * log.decode_time_s / log.decode_steps, 3),
             "decode_tok_s": round(log.decode_tokens / log.decode_time_s, 2),
             "hbm_gb_per_step": sig(log.hbm_bytes / log.decode_steps / 1e9),
             "decode_batch": round(log.decode_tokens / log.decode_steps, 2),
