@@ -244,13 +244,14 @@ class OasisPolicy(TieredPolicy):
         _, prediction = select_blocks_padded(scores, nblocks.repeat(g), self.budget_blocks, self.cfg.sink_blocks,
                                              self.cfg.local_blocks)
         ids = prediction.clamp(min=0).long()
-        self.predicted[layer_of, rows] = self.mask_of(prediction, self.ws.max_blocks + 1)
+        predicted = self.mask_of(prediction, self.ws.max_blocks + 1)  # also what placement must keep
+        self.predicted[layer_of, rows] = predicted
         resident = self.ws.table(layer_of, rows, host_tables.shape[1]).gather(1, ids) >= 0
         wanted = (prediction >= 0) & ~resident
         key = torch.where(wanted, scores.gather(1, ids), float("-inf"))
         best = key.topk(min(self.fetch_cap_blocks, key.shape[1]), dim=1)
         fetch = torch.where(best.values > float("-inf"), prediction.gather(1, best.indices), -1)
-        fetched, _, copies = self.place(layer_of, fetch, self.mask_of(prediction), lane=1, rows=rows,
+        fetched, _, copies = self.place(layer_of, fetch, predicted, lane=1, rows=rows,
                                         host_tables=host_tables)
         self.copy_from_host(copies)
         self.count("prefetched_blocks", fetched, lane=1)
