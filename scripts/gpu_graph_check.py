@@ -18,6 +18,7 @@ import torch
 from oasiskv.config import CacheConfig, EngineConfig, KVConfig, SamplingParams, SchedulerConfig
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.lookahead.base import DraftSource
+from oasiskv.policies.oasis import OasisPolicy
 
 
 class TeacherDraft(DraftSource):
@@ -112,36 +113,41 @@ def check(args) -> bool:
 def time_steps(args) -> list[dict]:
     rows = []
     prompts = prompts_for(args.time_batch, args.time_context, stride=0)
-    for mode in args.time_modes.split(","):
+    variants = [(mode, eager, group) for mode in args.time_modes.split(",")
+                for eager in ((False, True) if args.time_eager else (False,))
+                for group in ([int(g) for g in args.predict_groups.split(",")] if mode == "oasis" else [None])]
+    for mode, eager, group in variants:
         kv = {"fetch_cap": args.fetch_cap} if mode == "oasis" else {}
-        for eager in (False, True) if args.time_eager else (False,):
-            total = args.time_steps + args.warmup_steps + args.time_batch + 8  # none finishes while timed
-            engine = engine_for(args, mode, eager, "bfloat16", args.time_context, total, **kv)
-            params = SamplingParams(temperature=0, max_tokens=total, ignore_eos=True)
-            for p in prompts:
-                engine.add_request(p, params)
-            while any(len(r.output_token_ids) < 2 for r in engine.requests.values()):
-                engine.step()
-            for _ in range(args.warmup_steps):  # every graph key seen twice: captured
-                engine.step()
-            torch.cuda.synchronize()
-            replays = engine.stats_dict().get("cuda_graph_replays", 0)
-            t, n = time.perf_counter(), 0
-            while engine.has_unfinished() and n < args.time_steps:
-                engine.step()
-                n += 1
-            torch.cuda.synchronize()
-            ms = (time.perf_counter() - t) / n * 1000
-            st = engine.stats_dict()
-            row = {"mode": mode, "cuda_graphs": not eager, "batch": args.time_batch, "context": args.time_context,
-                   "ms_per_step": round(ms, 2), "tok_per_s": round(args.time_batch / ms * 1000, 1),
-                   **{k: st.get(k) for k in ("kv_prefetch_bytes_per_step", "kv_agreement", "kv_hit_rate",
-                                             "cuda_graph_captures")},
-                   "replays_timed": (st.get("cuda_graph_replays") or 0) - (replays or 0), "steps_timed": n}
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-            del engine
-            torch.cuda.empty_cache()
+        if group:
+            OasisPolicy.PREDICT_GROUP = group
+        total = args.time_steps + args.warmup_steps + args.time_batch + 8  # none finishes while timed
+        engine = engine_for(args, mode, eager, "bfloat16", args.time_context, total, **kv)
+        params = SamplingParams(temperature=0, max_tokens=total, ignore_eos=True)
+        for p in prompts:
+            engine.add_request(p, params)
+        while any(len(r.output_token_ids) < 2 for r in engine.requests.values()):
+            engine.step()
+        for _ in range(args.warmup_steps):  # every graph key seen twice: captured
+            engine.step()
+        torch.cuda.synchronize()
+        replays = engine.stats_dict().get("cuda_graph_replays", 0)
+        t, n = time.perf_counter(), 0
+        while engine.has_unfinished() and n < args.time_steps:
+            engine.step()
+            n += 1
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - t) / n * 1000
+        st = engine.stats_dict()
+        row = {"mode": mode, "cuda_graphs": not eager, "predict_group": group, "batch": args.time_batch,
+               "context": args.time_context,
+               "ms_per_step": round(ms, 2), "tok_per_s": round(args.time_batch / ms * 1000, 1),
+               **{k: st.get(k) for k in ("kv_prefetch_bytes_per_step", "kv_agreement", "kv_hit_rate",
+                                         "cuda_graph_captures")},
+               "replays_timed": (st.get("cuda_graph_replays") or 0) - (replays or 0), "steps_timed": n}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        del engine
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -162,6 +168,7 @@ def main() -> None:
     p.add_argument("--time-eager", action="store_true", help="time each mode with --enforce-eager too")
     p.add_argument("--time-modes", default="quest,oasis,dense,retrieval")
     p.add_argument("--fetch-cap", type=float, default=0.05)
+    p.add_argument("--predict-groups", default="6", help="oasis: layers predicted together, one timing run each")
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--check-modes", default="dense,quest,retrieval,oasis")
     p.add_argument("--json", default=None)

@@ -12,7 +12,8 @@ import math  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from oasiskv.kernels.sparse_decode import sparse_decode_attention, sparse_decode_reference  # noqa: E402
+from oasiskv.kernels.sparse_decode import (sparse_decode_attention, sparse_decode_attention_padded,  # noqa: E402
+                                           sparse_decode_reference)
 
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 DEV = torch.device("cuda" if ON_GPU else "cpu")
@@ -245,3 +246,51 @@ def test_cpu_without_interpreter_uses_reference(monkeypatch):
     args, _, _ = make_case([40, 70], 4, 2, 16, 16, torch.float32, seed=6)
     args = tuple(a.cpu() if torch.is_tensor(a) else a for a in args)
     assert rel_err(sparse_decode_attention(*args), bruteforce_f64(*args)) < 1e-5
+
+
+def as_padded(indptr, indices, width, seed):
+    """The CSR selection as a [B, width] table: each row's ids shuffled among -1 holes."""
+    gen = torch.Generator().manual_seed(seed)
+    ptr, ids = indptr.cpu().tolist(), indices.cpu()
+    table = torch.full((len(ptr) - 1, width), -1, dtype=torch.int32)
+    for b in range(len(ptr) - 1):
+        row = ids[ptr[b]:ptr[b + 1]]
+        cols = torch.randperm(width, generator=gen)[: len(row)]
+        table[b, cols] = row
+    return table.to(indices.device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=lambda s: f"g{s[1] // s[2]}_bs{s[4]}_d{s[3]}")
+@pytest.mark.parametrize("num_splits", [None, 2])
+def test_padded_selection_matches_bruteforce(dtype, shape, num_splits):
+    """The padded form (ids anywhere in a row, -1 holes) equals the float64 brute force of its CSR form."""
+    seq_lens, hq, hkv, d, bs = shape
+    args, _, _ = make_case(seq_lens, hq, hkv, d, bs, dtype, seed=hq + d)
+    q, kv, tables, indptr, indices, lens, scale = args
+    width = max(int((indptr[1:] - indptr[:-1]).max()), 1) + 3
+    padded = as_padded(indptr, indices, width, seed=d)
+    out = sparse_decode_attention_padded(q, kv, tables, padded, lens, scale, num_splits=num_splits)
+    assert rel_err(out, bruteforce_f64(*args)) < TOL[dtype] * 2
+    assert rel_err(sparse_decode_attention_padded(q.cpu(), kv.cpu(), tables.cpu(), padded.cpu(), lens.cpu(), scale),
+                   bruteforce_f64(*args)) < TOL[dtype] * 2
+
+
+def test_csr_entries_of_minus_one_are_skipped():
+    args, _, _ = make_case([70, 50], 4, 2, 32, 16, torch.float32, seed=3)
+    q, kv, tables, indptr, indices, lens, scale = args
+    holes = torch.full((len(indices) + 2,), -1, dtype=torch.int32, device=indices.device)
+    holes[1:-1] = indices
+    shifted = indptr.clone()
+    shifted[1:] += 1
+    shifted[-1] += 1  # row 0 starts with a hole, row 1 ends with one
+    ref = sparse_decode_reference(*args)
+    for impl in (sparse_decode_attention, sparse_decode_reference):
+        assert rel_err(impl(q, kv, tables, shifted, holes, lens, scale), ref) < TOL[torch.float32]
+
+
+def test_padded_all_holes_gives_zeros():
+    args, _, _ = make_case([40], 4, 2, 32, 16, torch.float32, seed=4)
+    q, kv, tables, _, _, lens, scale = args
+    padded = torch.full((1, 3), -1, dtype=torch.int32, device=q.device)
+    assert (sparse_decode_attention_padded(q, kv, tables, padded, lens, scale) == 0).all()

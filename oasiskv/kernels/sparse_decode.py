@@ -8,7 +8,8 @@ Inputs (one layer):
   sel_indptr   int32 [B + 1], sel_indices int32 [nnz]
                                                    CSR list of the selected LOGICAL block ids of each
                                                    sequence (ascending by convention; the result does
-                                                   not depend on the order)
+                                                   not depend on the order; -1 entries are skipped)
+  or, for sparse_decode_attention_padded, selection int32 [B, K]: the same ids as a padded table
   seq_lens     int32 [B]                           valid tokens; logical block j holds
                                                    min(block_size, seq_len - j * block_size) of them
 Output [B, Hq, D] in q's dtype. Query head h reads KV head h // (Hq // Hkv); all query heads of a
@@ -32,7 +33,8 @@ import triton.language as tl
 
 from oasiskv.kernels.device_info import num_sms
 
-__all__ = ["sparse_decode_attention", "sparse_decode_reference"]
+__all__ = ["sparse_decode_attention", "sparse_decode_attention_padded", "sparse_decode_padded_reference",
+           "sparse_decode_reference"]
 
 _LOG2E = 1.4426950408889634
 
@@ -48,7 +50,7 @@ def _sparse_decode_split_kernel(
     HQ: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, HKV: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr,
-    DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
+    DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr, PADDED: tl.constexpr,
 ):
     # Few runtime arguments on purpose: Triton's per-launch host cost grows with their number.
     b = tl.program_id(0)
@@ -58,8 +60,12 @@ def _sparse_decode_split_kernel(
     STRIDE_KV: tl.constexpr = BLOCK_SIZE * HKV * HEAD_DIM
     STRIDE_TOK: tl.constexpr = HKV * HEAD_DIM
 
-    sel_begin = tl.load(indptr_ptr + b)
-    sel_end = tl.load(indptr_ptr + b + 1)
+    if PADDED:  # indices is a [B, num_cols] table, -1 = skip (indptr_ptr holds num_cols)
+        sel_begin = b * indptr_ptr
+        sel_end = sel_begin + indptr_ptr
+    else:
+        sel_begin = tl.load(indptr_ptr + b)
+        sel_end = tl.load(indptr_ptr + b + 1)
     n_sel = sel_end - sel_begin
     per_split = (n_sel + num_splits - 1) // num_splits
     my_begin = sel_begin + split * per_split
@@ -88,14 +94,14 @@ def _sparse_decode_split_kernel(
     # this iteration's K/V are in flight, so the chain indices -> block table -> K/V is not paid
     # serially every iteration
     sel_pos = my_begin + t_blk
-    row_ok = sel_pos < my_end
-    logical = tl.load(indices_ptr + sel_pos, mask=row_ok, other=0)
+    logical = tl.load(indices_ptr + sel_pos, mask=sel_pos < my_end, other=-1)
+    row_ok = logical >= 0
     slot = tl.load(bt_row + logical, mask=row_ok, other=0)
     for it in range(my_begin, my_end, BLOCKS_PER_ITER):
         if not PREFETCH:
             sel_pos = it + t_blk
-            row_ok = sel_pos < my_end
-            logical = tl.load(indices_ptr + sel_pos, mask=row_ok, other=0)
+            logical = tl.load(indices_ptr + sel_pos, mask=sel_pos < my_end, other=-1)
+            row_ok = logical >= 0
             slot = tl.load(bt_row + logical, mask=row_ok, other=0)
         tok_ok = row_ok & (logical * BLOCK_SIZE + t_tok < seq_len)
         row_off = slot.to(tl.int64) * stride_slot + t_tok * STRIDE_TOK
@@ -104,8 +110,8 @@ def _sparse_decode_split_kernel(
         v = tl.load(kv_ptr + STRIDE_KV + row_off[:, None] + head_off, mask=ld_mask, other=0.0)
         if PREFETCH:
             sel_pos = it + BLOCKS_PER_ITER + t_blk
-            row_ok = sel_pos < my_end
-            logical = tl.load(indices_ptr + sel_pos, mask=row_ok, other=0)
+            logical = tl.load(indices_ptr + sel_pos, mask=sel_pos < my_end, other=-1)
+            row_ok = logical >= 0
             slot = tl.load(bt_row + logical, mask=row_ok, other=0)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
@@ -228,28 +234,64 @@ def sparse_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
-    *,
-    num_splits: int | None = None,
-    blocks_per_iter: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
-    prefetch: bool = True,
+    **tuning,
 ) -> torch.Tensor:
     """Attention of each sequence's decode query over its selected blocks (see module docstring).
 
     Runs the Triton kernels for CUDA tensors or under TRITON_INTERPRET=1, else the torch reference.
-    `num_splits`, `blocks_per_iter`, `num_warps`, `num_stages` are tuning knobs (defaults chosen
+    `tuning`: `num_splits`, `blocks_per_iter`, `num_warps`, `num_stages`, `prefetch` (defaults chosen
     from the shapes). The launch never synchronises with the device; it is CUDA-graph safe as long
     as nnz and B (hence num_splits) stay the same, or num_splits is given.
     """
-    B, Hq, D, block_size, Hkv = _check_inputs(
-        q, kv_layer, block_tables, sel_indptr, sel_indices, seq_lens, out)
+    _check_inputs(q, kv_layer, block_tables, sel_indptr, sel_indices, seq_lens, out)
+    if not _use_triton(q):
+        result = sparse_decode_reference(q, kv_layer, block_tables, sel_indptr, sel_indices, seq_lens, scale)
+        return result if out is None else out.copy_(result)
+    return _launch(q, kv_layer, block_tables, sel_indptr.contiguous(), sel_indices.contiguous(), seq_lens, scale,
+                   out, padded=False, **tuning)
+
+
+def sparse_decode_attention_padded(
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    selection: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    **tuning,
+) -> torch.Tensor:
+    """sparse_decode_attention with the selection as a padded table: `selection` int32 [B, K] of
+    logical block ids, -1 = none (anywhere in a row, in any order). No CSR conversion is needed."""
+    if selection.dim() != 2 or selection.shape[0] != q.shape[0]:
+        raise ValueError(f"selection must be [B={q.shape[0]}, K], got shape {tuple(selection.shape)}")
+    b, k = selection.shape
+    flat = selection.contiguous().view(-1)
+    if not _use_triton(q):
+        result = sparse_decode_padded_reference(q, kv_layer, block_tables, selection, seq_lens, scale)
+        return result if out is None else out.copy_(result)
+    # the shape check of the CSR form, with a stand-in indptr of the right shape and dtype
+    _check_inputs(q, kv_layer, block_tables, seq_lens.new_empty(b + 1), flat, seq_lens, out)
+    return _launch(q, kv_layer, block_tables, k, flat, seq_lens, scale, out, padded=True, **tuning)
+
+
+def sparse_decode_padded_reference(q, kv_layer, block_tables, selection, seq_lens, scale, out=None) -> torch.Tensor:
+    """Torch twin of sparse_decode_attention_padded (through the CSR form; syncs with the device)."""
+    keep = selection >= 0
+    indptr = torch.zeros(len(selection) + 1, dtype=torch.int32, device=selection.device)
+    indptr[1:] = torch.cumsum(keep.sum(1), 0)
+    return sparse_decode_reference(q, kv_layer, block_tables, indptr, selection[keep].to(torch.int32), seq_lens,
+                                   scale, out)
+
+
+def _launch(q, kv_layer, block_tables, indptr_arg, sel_indices, seq_lens, scale, out, *, padded: bool,
+            num_splits: int | None = None, blocks_per_iter: int | None = None, num_warps: int = 4,
+            num_stages: int = 2, prefetch: bool = True) -> torch.Tensor:
+    """Launches the kernels; `indptr_arg` is the CSR indptr tensor, or with `padded` the table's width."""
+    B, Hq, D = q.shape
+    _, _, block_size, Hkv, _ = kv_layer.shape
     if out is None:
         out = torch.empty_like(q)
-    if not _use_triton(q):
-        out.copy_(sparse_decode_reference(q, kv_layer, block_tables, sel_indptr, sel_indices,
-                                          seq_lens, scale))
-        return out
     if B == 0:
         return out
     if sel_indices.numel() == 0:  # nothing selected anywhere: tl.load needs a valid pointer
@@ -269,12 +311,11 @@ def sparse_decode_attention(
     num_splits = max(1, int(num_splits))
     direct = num_splits == 1
 
-    # the kernels index q / out / block-table rows / CSR arrays as contiguous (no-ops when they are)
+    # the kernels index q / out / block-table rows / selection arrays as contiguous (no-ops when they are)
     q = q.contiguous()
     if block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()
-    sel_indptr, sel_indices, seq_lens = (
-        sel_indptr.contiguous(), sel_indices.contiguous(), seq_lens.contiguous())
+    seq_lens = seq_lens.contiguous()
     dst = out if out.is_contiguous() else torch.empty_like(q)
 
     if direct:
@@ -284,12 +325,12 @@ def sparse_decode_attention(
         ws = torch.empty(lse_off + B * Hq * num_splits, dtype=torch.float32, device=q.device)
 
     _sparse_decode_split_kernel[(B, Hkv, num_splits)](
-        q, kv_layer, block_tables, sel_indptr, sel_indices, seq_lens, ws, dst,
+        q, kv_layer, block_tables, indptr_arg, sel_indices, seq_lens, ws, dst,
         float(scale) * _LOG2E, num_splits, lse_off, kv_layer.stride(0), block_tables.stride(0),
         HQ=Hq, GROUP=group, G_PAD=g_pad, HKV=Hkv, HEAD_DIM=D, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCKS_PER_ITER=blocks_per_iter,
         DIRECT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
+        PREFETCH=prefetch, PADDED=padded, num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:
         _sparse_decode_merge_kernel[(B * Hq,)](
@@ -329,10 +370,11 @@ def sparse_decode_reference(
     tok = torch.arange(block_size, device=q.device)
     for b in range(B):
         lo, hi = indptr[b], indptr[b + 1]
-        if hi <= lo:
+        logical = indices[lo:hi]
+        logical = logical[logical >= 0]
+        if len(logical) == 0:
             out[b].zero_()
             continue
-        logical = indices[lo:hi]
         slots = block_tables[b].long()[logical]
         kv = kv_layer[slots].float()  # [n, 2, bs, Hkv, D]
         k = kv[:, 0].reshape(-1, Hkv, D)

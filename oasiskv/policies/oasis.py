@@ -17,14 +17,27 @@ On the CPU the same steps run synchronously."""
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 
 from oasiskv.kernels.block_select import select_blocks_padded
+from oasiskv.kernels.residency import COUNTERS as RESIDENCY_COUNTERS
+from oasiskv.kernels.residency import resident_selection, resident_selection_reference
 from oasiskv.kernels.paged_decode import paged_decode_attention, paged_decode_reference
-from oasiskv.kernels.sparse_decode import sparse_decode_attention, sparse_decode_reference
-from oasiskv.policies.sparse import padded_to_csr
+from oasiskv.kernels.sparse_decode import sparse_decode_attention_padded, sparse_decode_padded_reference
+from oasiskv.policies.sparse import DecodeRows
 from oasiskv.policies.tiered import TieredPolicy
+
+
+@dataclass
+class DraftRows(DecodeRows):
+    """DecodeRows plus the draft token's: it sits at position seq_len, one past x_t."""
+    draft_nblocks: torch.Tensor  # int32 [B]: logical blocks it spans
+    both_lens: torch.Tensor      # int32 [2B]: x_t's lengths, then the drafts'
+    opens: torch.Tensor          # bool [B]: the draft starts a new block
+    opened: torch.Tensor         # int32 [B]: that block, or -1
+    draft_offset: torch.Tensor   # long [B]: the draft's offset in its block
 
 
 class EventClock:
@@ -75,6 +88,9 @@ class OasisPolicy(TieredPolicy):
         self.decode_steps = 0
         self.layer_ids = torch.arange(layers, device=self.pool.kv.device)
         self.waiting: list[tuple[int, torch.Tensor]] = []  # (layer, draft queries) not yet predicted from
+        names = {"selected": "selected_blocks"}  # kernels/residency.py's counters -> ours
+        self.residency_counters = torch.tensor([self.counter_index[names.get(c, c)] for c in RESIDENCY_COUNTERS],
+                                               device=self.pool.kv.device)
 
     def release(self, request_id: str) -> None:
         if request_id in self.ws._row_of:
@@ -116,22 +132,38 @@ class OasisPolicy(TieredPolicy):
         tail_slots, fill, tail_host = self.write_tail(layer, k[:nd], v[:nd])
         dense = self.is_dense_layer(layer)
         attended = self.resident_selection(layer, q[:nd], dense)
-        tables = self.ws.table(layer, self.rows, self.host_tables.shape[1])
-        seq_lens = meta.decode_seq_lens
+        opened = self.write_draft_kv(layer, tail_slots, attended, k[real:], v[real:])
         with self.timer("attention"):
-            out[:nd] = self.attend_blocks(q[:nd], layer, tables, attended, seq_lens, meta.decode_max_seq_len, dense)
-        opened = self.write_draft_kv(layer, fill, tail_slots, attended, k[real:], v[real:])
-        draft_blocks = torch.cat([attended, opened[:, None]], dim=1)
-        tables = self.ws.table(layer, self.rows, self.host_tables.shape[1])  # a copy: re-read after the placement
-        with self.timer("attention"):
-            out[real:] = self.attend_blocks(q[real:], layer, tables, draft_blocks, seq_lens + 1,
-                                            meta.decode_max_seq_len + 1, dense)
+            self.attend_with_draft(layer, q, out, attended, opened, dense)
         self.spill_full_tails(layer, fill, tail_slots, tail_host)
         if not dense:
             self.waiting.append((layer, q[real:]))
             if len(self.waiting) == self.PREDICT_GROUP or layer == len(self.layer_ids) - 1:
-                self.predict_and_prefetch(seq_lens + 1)
+                self.predict_and_prefetch(self.rows_now)
         self.flush_counts(layer)
+
+    def attend_with_draft(self, layer, q, out, attended, opened, dense) -> None:
+        """x_t and its draft in one launch: x_t attends to `attended`; the draft to the same blocks, the
+        block it opened and one more token (its own, written where x_{t+1}'s will go)."""
+        meta = self.meta
+        nd, real = meta.num_decode, len(q) - meta.num_draft
+        both = q[:2 * nd] if real == nd else torch.cat([q[:nd], q[real:]])  # prefill rows sit in between
+        gpu_kv, lens = self.pool.layer(layer), self.rows_now.both_lens
+        tables = self.ws.table(layer, self.rows, self.host_tables.shape[1]).repeat(2, 1)
+        target = out[:2 * nd] if real == nd else None
+        if dense:
+            if self.cuda:
+                result = paged_decode_attention(both, gpu_kv, tables, lens, self.scale, target,
+                                                max_seq_len=meta.decode_max_seq_len + 1)
+            else:
+                result = paged_decode_reference(both, gpu_kv, tables, lens, self.scale)
+        else:
+            none = torch.full_like(opened[:, None], -1)
+            blocks = torch.cat([torch.cat([attended, none], 1), torch.cat([attended, opened[:, None]], 1)])
+            attend = sparse_decode_attention_padded if self.cuda else sparse_decode_padded_reference
+            result = attend(both, gpu_kv, tables, blocks, lens, self.scale, target)
+        if target is None or result.data_ptr() != target.data_ptr():
+            out[:nd], out[real:] = result[:nd], result[nd:]
 
     def wait_for_prefetch(self, layer: int) -> None:
         done, self.prefetched[layer] = self.prefetched[layer], None
@@ -148,12 +180,14 @@ class OasisPolicy(TieredPolicy):
         """x_t's selection restricted to what is resident once cold-start (and, with the "fetch"
         policy, all) misses are fetched: int32 [B, K], -1 where a selected block is left out."""
         if dense:
-            everything = torch.arange(self.num_decode_blocks, device=q.device, dtype=torch.int32)
-            nblocks = (self.meta.decode_seq_lens.long() + self.block_size - 1) // self.block_size
-            selection = torch.where(everything[None, :] < nblocks[:, None], everything[None, :], -1)
+            selection = self.rows_now.every_block
         else:
             with self.timer("select"):
-                _, selection, _, _ = self.select(layer, q, self.meta.decode_block_tables)
+                _, selection = self.select(layer, q, self.meta.decode_block_tables)
+            if not (self.cfg.miss_policy == "fetch" or self.any_cold):  # nothing to fetch: misses are left out
+                check = resident_selection if self.cuda else resident_selection_reference
+                return check(selection, self.ws._slot_of, self.predicted, self.rows, self.fresh, self.row_counts[0],
+                             self.layer_counts[0], self.residency_counters, layer)
         valid = selection >= 0
         resident = self.ws.table(layer, self.rows, self.host_tables.shape[1]).gather(
             1, selection.clamp(min=0).long()) >= 0
@@ -164,8 +198,6 @@ class OasisPolicy(TieredPolicy):
         if not dense:
             self.count_agreement(layer, selection, valid)
         fetch_all = dense or self.cfg.miss_policy == "fetch"
-        if not (fetch_all or self.any_cold):  # nothing to fetch now: misses are left out
-            return torch.where(resident, selection, -1)
         fetch_rows = torch.ones_like(self.cold) if fetch_all else self.cold
         need = torch.where(missing & fetch_rows[:, None], selection, -1)
         with self.timer("gather"):
@@ -182,33 +214,30 @@ class OasisPolicy(TieredPolicy):
         self.count("agree_hits", hits)
         self.count("agree_total", judged)
 
-    def write_draft_kv(self, layer, fill, tail_slots, attended, k, v) -> torch.Tensor:
+    def derive_rows(self) -> DraftRows:
+        rows = super().derive_rows()
+        pos = self.meta.decode_seq_lens.long()  # the draft's position
+        opens = rows.fill == self.block_size
+        return DraftRows(**vars(rows), draft_nblocks=rows.nblocks + opens.to(torch.int32),
+                         both_lens=torch.cat([self.meta.decode_seq_lens, self.meta.decode_seq_lens + 1]), opens=opens,
+                         opened=torch.where(opens, pos // self.block_size, -1).to(torch.int32),
+                         draft_offset=pos % self.block_size)
+
+    def write_draft_kv(self, layer, tail_slots, attended, k, v) -> torch.Tensor:
         """Puts the draft token's K/V where x_{t+1}'s will go: the tail block, or a block it opens
         (placed now, resident for the next step). Returns the opened block id per row, or -1."""
-        pos = self.meta.decode_seq_lens.long()  # the draft's position
-        opens = fill == self.block_size
-        opened = torch.where(opens, pos // self.block_size, -1).to(torch.int32)
+        rows = self.rows_now
         slot = tail_slots
         if self.any_opens:
-            protect = self.mask_of(attended) | self.mask_of(opened[:, None])
-            _, slots = self.ws.place(layer, self.rows, opened[:, None], protect, self.step_tensor)
-            slot = torch.where(opens, slots[:, 0].long(), tail_slots)
+            protect = self.mask_of(attended) | self.mask_of(rows.opened[:, None])
+            _, slots = self.ws.place(layer, self.rows, rows.opened[:, None], protect, self.step_tensor)
+            slot = torch.where(rows.opens, slots[:, 0].long(), tail_slots)
         gpu_kv = self.pool.layer(layer)
-        gpu_kv[slot, 0, pos % self.block_size] = k
-        gpu_kv[slot, 1, pos % self.block_size] = v
-        return opened
+        gpu_kv[slot, 0, rows.draft_offset] = k
+        gpu_kv[slot, 1, rows.draft_offset] = v
+        return rows.opened
 
-    def attend_blocks(self, q, layer, tables, blocks, seq_lens, max_seq_len, dense):
-        gpu_kv = self.pool.layer(layer)
-        if dense:
-            if self.cuda:
-                return paged_decode_attention(q, gpu_kv, tables, seq_lens, self.scale, max_seq_len=max_seq_len)
-            return paged_decode_reference(q, gpu_kv, tables, seq_lens, self.scale)
-        indptr, indices = padded_to_csr(blocks)
-        attend = sparse_decode_attention if self.cuda else sparse_decode_reference
-        return attend(q, gpu_kv, tables, indptr, indices, seq_lens, self.scale)
-
-    def predict_and_prefetch(self, draft_lens) -> None:
+    def predict_and_prefetch(self, rows: DraftRows) -> None:
         """The draft's selection is the prediction for the next step; its missing blocks are gathered,
         best first, up to the fetch cap. Done for the waiting group of layers at once. On the GPU all
         of it (scoring, placement, copies, their counters) runs on the copy stream, beside the next
@@ -218,27 +247,27 @@ class OasisPolicy(TieredPolicy):
         layers, queries = [layer for layer, _ in group], [q for _, q in group]
         if not self.cuda:
             with self.timer("prefetch"):
-                self.predict(layers, queries, draft_lens)
+                self.predict(layers, queries, rows.draft_nblocks)
             return
         side, capturing = self.copy_stream, torch.cuda.is_current_stream_capturing()
         side.wait_stream(torch.cuda.current_stream())  # the draft's queries, and readers of slots it evicts
-        self.keep_alive((*queries, draft_lens, self.rows, self.host_tables), side)
+        self.keep_alive((*queries, rows.draft_nblocks, self.rows, self.host_tables), side)
         with torch.cuda.stream(side):
             start = None if capturing else self.clock.mark(side)  # no timing events in a graph
-            self.predict(layers, queries, draft_lens)
+            self.predict(layers, queries, rows.draft_nblocks)
             if start is not None:
                 done = self.clock.close("prefetch", start, side)
                 for layer in layers:
                     self.prefetched[layer] = done
 
-    def predict(self, layers: list[int], queries: list[torch.Tensor], draft_lens) -> None:
+    def predict(self, layers: list[int], queries: list[torch.Tensor], nblocks: torch.Tensor) -> None:
         """On the current stream, for consecutive `layers` at once (rows = (layer, request) pairs):
-        prediction, placement, copies, and their counters (lane 1)."""
-        g, b = len(layers), len(draft_lens)
+        prediction, placement, copies, and their counters (lane 1). `nblocks`: int32 [B], the drafts'
+        logical blocks."""
+        g, b = len(layers), len(nblocks)
         layer_of = self.layer_ids[layers[0]: layers[-1] + 1][:, None].expand(g, b).reshape(-1)
         rows = self.rows[None, :].expand(g, b).reshape(-1)
         host_tables = self.host_tables.repeat(g, 1)
-        nblocks = ((draft_lens + self.block_size - 1) // self.block_size).to(torch.int32)
         scores = self.combined(torch.cat([self.local_scores(layer, q, self.host_tables, nblocks)
                                           for layer, q in zip(layers, queries)]))  # one collective per group
         _, prediction = select_blocks_padded(scores, nblocks.repeat(g), self.budget_blocks, self.cfg.sink_blocks,

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 
 from oasiskv.config import KVConfig
 from oasiskv.kernels.block_select import block_scores, block_scores_reference, select_blocks_padded
 from oasiskv.kernels.paged_decode import paged_decode_attention, paged_decode_reference
-from oasiskv.kernels.sparse_decode import sparse_decode_attention, sparse_decode_reference
+from oasiskv.kernels.sparse_decode import sparse_decode_attention_padded, sparse_decode_padded_reference
 from oasiskv.kv.gpu_pool import KVPool
 from oasiskv.kv.summaries import BlockSummaries
 from oasiskv.policies.base import KVPolicy, length_bucket
@@ -50,6 +51,18 @@ class _Phase:
             self.timer.totals[self.phase] += time.perf_counter() - self.t0
 
 
+@dataclass
+class DecodeRows:
+    """What every layer needs of this step's decode rows, derived from the metadata on the device once
+    per step, at the first layer that asks (inside a captured graph too: the metadata are its inputs)."""
+    nblocks: torch.Tensor     # int32 [B]: logical blocks of each sequence
+    tail: torch.Tensor        # long [B]: the logical tail block
+    fill: torch.Tensor        # long [B]: tokens in the tail block, the new one included
+    fill32: torch.Tensor      # the same, int32
+    tail_block: torch.Tensor  # int32 [B]: the tail's block in the decode block table
+    every_block: torch.Tensor  # int32 [B, num_decode_blocks]: all blocks, -1 past the end (dense layers)
+
+
 class SparsePolicy(KVPolicy):
     def __init__(self, kv_cfg: KVConfig, summaries: BlockSummaries, block_size: int, scale: float,
                  device: torch.device, timing: bool = True):
@@ -68,6 +81,23 @@ class SparsePolicy(KVPolicy):
         self.step_index += 1
         self.num_decode_blocks = -(-meta.decode_max_seq_len // self.block_size)
         self.step_tensor.fill_(self.step_index)
+        self._rows = None
+
+    @property
+    def rows_now(self) -> DecodeRows:
+        if self._rows is None:
+            self._rows = self.derive_rows()
+        return self._rows
+
+    def derive_rows(self) -> DecodeRows:
+        n = self.meta.decode_seq_lens.long()
+        nblocks = (n + self.block_size - 1) // self.block_size
+        tail, fill = (n - 1) // self.block_size, (n - 1) % self.block_size + 1
+        everything = torch.arange(self.num_decode_blocks, device=n.device, dtype=torch.int32)
+        return DecodeRows(
+            nblocks=nblocks.to(torch.int32), tail=tail, fill=fill, fill32=fill.to(torch.int32),
+            tail_block=self.meta.decode_block_tables.gather(1, tail[:, None]).squeeze(1),
+            every_block=torch.where(everything[None, :] < nblocks[:, None], everything[None, :], -1))
 
     def graph_key(self):
         """Steps where every layer attends sparsely are captured; the dense layers' attention length
@@ -87,21 +117,14 @@ class SparsePolicy(KVPolicy):
         return out
 
     # -- shared pieces ---------------------------------------------------------------------------
-    def decode_tail(self):
-        """Per decode sequence: logical tail block, tokens in it (new one included), its offset."""
-        n = self.meta.decode_seq_lens.long()
-        return (n - 1) // self.block_size, (n - 1) % self.block_size + 1
-
     def select(self, layer: int, q: torch.Tensor, score_tables: torch.Tensor):
-        """Selection of each decode query: (counts [B], padded logical ids [B, K], CSR indptr, indices)."""
-        meta = self.meta
-        nblocks = (meta.decode_seq_lens + self.block_size - 1) // self.block_size
-        scores = self.score_blocks(layer, q, score_tables, nblocks.to(torch.int32))
-        counts, padded = select_blocks_padded(scores, nblocks.to(torch.int32), self.budget_blocks,
-                                              self.cfg.sink_blocks, self.cfg.local_blocks)
-        indptr, indices = padded_to_csr(padded)
+        """Selection of each decode query: (counts [B], padded logical ids int32 [B, K], -1 = none)."""
+        nblocks = self.rows_now.nblocks
+        scores = self.score_blocks(layer, q, score_tables, nblocks)
+        counts, padded = select_blocks_padded(scores, nblocks, self.budget_blocks, self.cfg.sink_blocks,
+                                              self.cfg.local_blocks)
         self.selected_on_device += counts.sum()  # summed on the device: no sync per layer
-        return counts, padded, indptr, indices
+        return counts, padded
 
     def score_blocks(self, layer: int, q: torch.Tensor, tables: torch.Tensor, nblocks: torch.Tensor) -> torch.Tensor:
         """fp32 [B, blocks]: upper-bound scores of each query's blocks (all ranks' heads under tensor parallelism)."""
@@ -118,29 +141,16 @@ class SparsePolicy(KVPolicy):
     def is_dense_layer(self, layer: int) -> bool:
         return layer < self.cfg.dense_layers or self.num_decode_blocks <= self.budget_blocks
 
-    def attention(self, q, kv_layer, tables, indptr, indices):
+    def attention(self, q, kv_layer, tables, selection):
+        """Decode attention over `selection` (padded logical ids, -1 = none), or every block if None."""
         meta = self.meta
-        if indptr is None:
+        if selection is None:
             args = (q, kv_layer, tables, meta.decode_seq_lens, self.scale)
             if self.cuda:
                 return paged_decode_attention(*args, max_seq_len=length_bucket(meta.decode_max_seq_len))
             return paged_decode_reference(*args)
-        attend = sparse_decode_attention if self.cuda else sparse_decode_reference
-        return attend(q, kv_layer, tables, indptr, indices, meta.decode_seq_lens, self.scale)
-
-
-def padded_to_csr(padded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, K] rows of ids, -1 = none (anywhere in a row) -> CSR (indptr [B+1], indices [B*K] holding
-    each row's ids in their order; entries past indptr[-1] are unused). No host sync, no sort."""
-    b, k = padded.shape
-    valid = padded >= 0
-    indptr = torch.zeros(b + 1, dtype=torch.int32, device=padded.device)
-    indptr[1:] = torch.cumsum(valid.sum(1), 0)
-    position = torch.cumsum(valid, 1) - 1  # of each valid id within its row
-    dst = torch.where(valid, indptr[:-1, None].long() + position, b * k)
-    flat = torch.zeros(b * k + 1, dtype=torch.int32, device=padded.device)
-    flat.scatter_(0, dst.reshape(-1), padded.reshape(-1).to(torch.int32))
-    return indptr, flat[: b * k]
+        attend = sparse_decode_attention_padded if self.cuda else sparse_decode_padded_reference
+        return attend(q, kv_layer, tables, selection, meta.decode_seq_lens, self.scale)
 
 
 class QuestPolicy(SparsePolicy):
@@ -167,13 +177,12 @@ class QuestPolicy(SparsePolicy):
 
     def decode(self, layer, q, kv_layer):
         meta = self.meta
-        tail, fill = self.decode_tail()
-        tail_blocks = meta.decode_block_tables.gather(1, tail[:, None]).squeeze(1)
-        self.summaries.update_from(layer, kv_layer, tail_blocks, fill.to(torch.int32), tail_blocks)
+        rows = self.rows_now
+        self.summaries.update_from(layer, kv_layer, rows.tail_block, rows.fill32, rows.tail_block)
         if self.is_dense_layer(layer):
             with self.timer("attention"):
-                return self.attention(q, kv_layer, meta.decode_block_tables, None, None)
+                return self.attention(q, kv_layer, meta.decode_block_tables, None)
         with self.timer("select"):
-            _, _, indptr, indices = self.select(layer, q, meta.decode_block_tables)
+            _, selection = self.select(layer, q, meta.decode_block_tables)
         with self.timer("attention"):
-            return self.attention(q, kv_layer, meta.decode_block_tables, indptr, indices)
+            return self.attention(q, kv_layer, meta.decode_block_tables, selection)

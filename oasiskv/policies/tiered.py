@@ -131,12 +131,12 @@ class TieredPolicy(SparsePolicy):
         """Appends each decode token's K/V to its tail block (made resident first: after a prefill the
         tail's earlier tokens are on the host) and refreshes that block's summary.
         Returns (tail slot [B] long, tokens in the tail [B], the tail's host block [B])."""
-        tail, fill = self.decode_tail()
-        tail_host = self.meta.decode_block_tables.gather(1, tail[:, None]).squeeze(1)
-        wanted = tail[:, None].to(torch.int32)
+        rows = self.rows_now
+        tail, fill, tail_host = rows.tail, rows.fill, rows.tail_block
         if self.tails_resident:
             tail_slots = self.ws.slot_of[layer, self.rows, tail].long()
         else:
+            wanted = tail[:, None].to(torch.int32)
             with self.timer("gather"):
                 miss, slots = self.fetch(layer, wanted, self.mask_of(wanted), only=(fill > 1)[:, None])
             self.count("tail_fetches", miss & (fill > 1)[:, None])
@@ -144,8 +144,7 @@ class TieredPolicy(SparsePolicy):
         gpu_kv = self.pool.layer(layer)
         gpu_kv[tail_slots, 0, fill - 1] = k
         gpu_kv[tail_slots, 1, fill - 1] = v
-        self.summaries.update_from(layer, gpu_kv, tail_slots.to(torch.int32), fill.to(torch.int32),
-                                   tail_host.to(torch.int32))
+        self.summaries.update_from(layer, gpu_kv, tail_slots.to(torch.int32), rows.fill32, tail_host)
         return tail_slots, fill, tail_host
 
     def mask_of(self, blocks: torch.Tensor, width: int | None = None) -> torch.Tensor:
@@ -238,13 +237,11 @@ class RetrievalPolicy(TieredPolicy):
         self.wait_for_copies()  # tail spills of the previous layer/step precede any re-fetch
         tail_slots, fill, tail_host = self.write_tail(layer, k, v)
         if self.is_dense_layer(layer):
-            everything = torch.arange(self.num_decode_blocks, device=q.device, dtype=torch.int32)
-            nblocks = (self.meta.decode_seq_lens.long() + self.block_size - 1) // self.block_size
-            wanted = torch.where(everything[None, :] < nblocks[:, None], everything[None, :], -1)
-            indptr = indices = None
+            wanted, selection = self.rows_now.every_block, None
         else:
             with self.timer("select"):
-                _, wanted, indptr, indices = self.select(layer, q, self.meta.decode_block_tables)
+                _, wanted = self.select(layer, q, self.meta.decode_block_tables)
+            selection = wanted
         with self.timer("gather"):
             miss, _ = self.fetch(layer, wanted, self.mask_of(wanted))
         self.count("selected_blocks", wanted >= 0)
@@ -252,6 +249,6 @@ class RetrievalPolicy(TieredPolicy):
         self.count("hits", (wanted >= 0) & ~miss)
         tables = self.ws.table(layer, self.rows, self.meta.decode_block_tables.shape[1])
         with self.timer("attention"):
-            out[:nd] = self.attention(q, self.pool.layer(layer), tables, indptr, indices)
+            out[:nd] = self.attention(q, self.pool.layer(layer), tables, selection)
         self.spill_full_tails(layer, fill, tail_slots, tail_host)
         self.flush_counts(layer)
