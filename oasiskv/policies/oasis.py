@@ -129,13 +129,17 @@ class OasisPolicy(TieredPolicy):
         meta = self.meta
         nd, real = meta.num_decode, len(q) - meta.num_draft
         self.wait_for_prefetch(layer)
-        tail_slots, fill, tail_host = self.write_tail(layer, k[:nd], v[:nd])
+        # the draft goes where x_{t+1} will: x_t's tail block unless x_t filled it (then a block it opens)
+        together = self.tails_resident and not self.any_opens
+        draft_kv = (k[real:], v[real:])
+        tail_slots, fill, tail_host = self.write_tail(layer, k[:nd], v[:nd], draft_kv if together else None)
         dense = self.is_dense_layer(layer)
         attended = self.resident_selection(layer, q[:nd], dense)
-        opened = self.write_draft_kv(layer, tail_slots, attended, k[real:], v[real:])
+        opened = self.rows_now.opened if together else self.write_draft_kv(layer, tail_slots, attended, *draft_kv)
         with self.timer("attention"):
             self.attend_with_draft(layer, q, out, attended, opened, dense)
-        self.spill_full_tails(layer, fill, tail_slots, tail_host)
+        if self.any_opens:  # x_t filled some tail block (the same condition)
+            self.spill_full_tails(layer, fill, tail_slots, tail_host)
         if not dense:
             self.waiting.append((layer, q[real:]))
             if len(self.waiting) == self.PREDICT_GROUP or layer == len(self.layer_ids) - 1:

@@ -14,6 +14,7 @@ import torch
 from oasiskv.config import KVConfig
 from oasiskv.kernels.host_gather import (gather_host_blocks, gather_host_blocks_reference, store_blocks_to_host,
                                          store_blocks_to_host_reference)
+from oasiskv.kernels.tail_append import append_to_tails, append_to_tails_reference
 from oasiskv.kv.gpu_pool import KVPool
 from oasiskv.kv.host_store import HostStore
 from oasiskv.kv.summaries import BlockSummaries
@@ -127,21 +128,26 @@ class TieredPolicy(SparsePolicy):
                                                                   torch.arange(e - s, device=q.device))[:, None]
             out[s:e] = sdpa(q[s:e], pk, pv, self.scale, mask=mask)
 
-    def write_tail(self, layer, k, v):
+    def write_tail(self, layer, k, v, draft=None):
         """Appends each decode token's K/V to its tail block (made resident first: after a prefill the
-        tail's earlier tokens are on the host) and refreshes that block's summary.
+        tail's earlier tokens are on the host) and refreshes that block's summary. `draft`: (k, v) of
+        tokens one position later in the same blocks, written too (only when tails are resident).
         Returns (tail slot [B] long, tokens in the tail [B], the tail's host block [B])."""
         rows = self.rows_now
         tail, fill, tail_host = rows.tail, rows.fill, rows.tail_block
-        if self.tails_resident:
-            tail_slots = self.ws.slot_of[layer, self.rows, tail].long()
-        else:
-            wanted = tail[:, None].to(torch.int32)
-            with self.timer("gather"):
-                miss, slots = self.fetch(layer, wanted, self.mask_of(wanted), only=(fill > 1)[:, None])
-            self.count("tail_fetches", miss & (fill > 1)[:, None])
-            tail_slots = slots.squeeze(1).long()
         gpu_kv = self.pool.layer(layer)
+        if self.tails_resident:  # one launch: lookup and writes
+            append = append_to_tails if self.cuda else append_to_tails_reference
+            tail_slots = append(gpu_kv, self.ws._slot_of, layer, self.rows, tail, fill, k, v, *(draft or (None, None)))
+            self.summaries.update_from(layer, gpu_kv, tail_slots, rows.fill32, tail_host)
+            return tail_slots.long(), fill, tail_host
+        if draft is not None:
+            raise ValueError("draft K/V are written with the tail only when the tails are resident")
+        wanted = tail[:, None].to(torch.int32)
+        with self.timer("gather"):
+            miss, slots = self.fetch(layer, wanted, self.mask_of(wanted), only=(fill > 1)[:, None])
+        self.count("tail_fetches", miss & (fill > 1)[:, None])
+        tail_slots = slots.squeeze(1).long()
         gpu_kv[tail_slots, 0, fill - 1] = k
         gpu_kv[tail_slots, 1, fill - 1] = v
         self.summaries.update_from(layer, gpu_kv, tail_slots.to(torch.int32), rows.fill32, tail_host)

@@ -1,0 +1,62 @@
+"""Appending decode K/V to resident tail blocks: Triton kernel (TRITON_INTERPRET=1 on the CPU) vs the torch
+twin vs a plain Python loop."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from oasiskv.kernels.tail_append import append_to_tails, append_to_tails_reference  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
+
+
+def make_case(b, bs=8, hkv=2, d=8, layers=2, rows=5, blocks=6, draft=False, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    slots = layers * rows * blocks  # every (layer, row, block) its own slot: rows never share a tail
+    kv = torch.randn(slots, 2, bs, hkv, d, generator=gen).to(dtype)
+    slot_of = torch.randperm(slots, generator=gen).to(torch.int32).view(layers, rows, blocks)
+    row_ids = torch.randperm(rows, generator=gen)[:b]
+    tail = torch.randint(0, blocks, (b,), generator=gen)
+    high = bs - 1 if draft else bs  # a draft needs room after x_t in the same block
+    fill = torch.randint(1, high + 1, (b,), generator=gen)
+    k, v = (torch.randn(b, hkv, d, generator=gen).to(dtype) for _ in range(2))
+    extra = tuple(torch.randn(b, hkv, d, generator=gen).to(dtype) for _ in range(2)) if draft else (None, None)
+    return kv, slot_of, row_ids, tail, fill, k, v, extra
+
+
+def python_loop(kv, slot_of, layer, rows, tail, fill, k, v, draft_k, draft_v):
+    kv, slots = kv.clone(), []
+    for b in range(len(rows)):
+        s = int(slot_of[layer, rows[b], tail[b]])
+        kv[s, 0, fill[b] - 1], kv[s, 1, fill[b] - 1] = k[b], v[b]
+        if draft_k is not None:
+            kv[s, 0, fill[b]], kv[s, 1, fill[b]] = draft_k[b], draft_v[b]
+        slots.append(s)
+    return kv, torch.tensor(slots, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("b", [1, 3, 5])
+@pytest.mark.parametrize("draft", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kernel_and_twin_match_a_python_loop(b, draft, dtype):
+    kv, slot_of, rows, tail, fill, k, v, (dk, dv) = make_case(b, draft=draft, dtype=dtype, seed=b + 7 * draft)
+    layer = 1
+    expect_kv, expect_slots = python_loop(kv, slot_of, layer, rows, tail, fill, k, v, dk, dv)
+    for impl in (append_to_tails, append_to_tails_reference):
+        pool = kv.clone().to(DEV)
+        moved = [t.to(DEV) if t is not None else None for t in (k, v, dk, dv)]
+        slots = impl(pool, slot_of.to(DEV), layer, rows.to(DEV), tail.to(DEV), fill.to(DEV), *moved)
+        assert torch.equal(slots.cpu(), expect_slots)
+        assert torch.equal(pool.cpu(), expect_kv)
+
+
+def test_bad_inputs_raise():
+    kv, slot_of, rows, tail, fill, k, v, _ = make_case(2)
+    with pytest.raises(ValueError, match="k must be"):
+        append_to_tails(kv, slot_of, 0, rows, tail, fill, k[:, :1], v)
+    with pytest.raises(ValueError, match="slot_of must be int32"):
+        append_to_tails(kv, slot_of.long(), 0, rows, tail, fill, k, v)
+    with pytest.raises(ValueError, match="both draft_k and draft_v"):
+        append_to_tails(kv, slot_of, 0, rows, tail, fill, k, v, draft_k=k)
