@@ -7,6 +7,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -121,6 +122,7 @@ def test_per_row_layer_tensor(step_as_tensor):
     layer = torch.tensor([1, 1, 1, 3, 3, 3, 0, 0])
     rows = torch.tensor([0, 1, 2, 0, 1, 2, 2, 0])
     wanted, protect = request(ws, g, layer, rows, 3, "mixed")
+    wanted = torch.cat([wanted, wanted], 1)[:, :3]  # a strided view, as a slice of a wider selection
     assert_same_placement(ws, layer, rows, wanted, protect, torch.tensor(30) if step_as_tensor else 30)
 
 
@@ -157,15 +159,16 @@ def test_copy_lists(only_shape):
     only = {"none": None, "column": torch.tensor([[True], [False]]),
             "full": torch.rand(2, 5, generator=g) < 0.5}[only_shape]
     fused = twin(ws)
-    miss, slots = ws.place(1, rows, wanted, protect, 3)
-    got = place_fused(fused._slot_of, fused._block_of, fused._last_used, 1, rows, wanted, protect, 3,
-                      host_tables=host_tables, only=only)
-    copy = miss if only is None else miss & only
-    src = torch.where(copy, host_tables.gather(1, wanted.clamp(min=0).long()), -1).to(torch.int32)
-    dst = torch.where(copy, slots, -1).to(torch.int32)
-    for a, b in zip((miss, slots, src, dst), got):
-        assert torch.equal(a, b)
+    want = ws.place_with_copies(1, rows, wanted, protect, 3, host_tables, only)
+    got = fused.place_with_copies(1, rows, wanted, protect, 3, host_tables, only)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
     assert all(torch.equal(getattr(ws, n), getattr(fused, n)) for n in TABLES)
+    miss, slots, src, dst = got
+    allowed = torch.ones_like(miss) if only is None else only.expand_as(miss)
+    for i, j in np.ndindex(*miss.shape):  # brute force: a copy per allowed miss, from its host block
+        copied = bool(miss[i, j] and allowed[i, j])
+        assert (src[i, j].item(), dst[i, j].item()) == (
+            (host_tables[i, wanted[i, j]].item(), slots[i, j].item()) if copied else (-1, -1))
 
 
 def test_bad_input_is_refused():
@@ -184,6 +187,9 @@ def test_bad_input_is_refused():
         ws.place(2, rows, wanted, protect, 1)
     with pytest.raises(ValueError, match="step must be"):
         ws.place(0, rows, wanted, protect, torch.tensor([1]))
+    with pytest.raises(ValueError, match="only must be"):
+        place_fused(ws._slot_of, ws._block_of, ws._last_used, 0, rows, wanted, protect, 1,
+                    host_tables=torch.zeros(2, 10, dtype=torch.int32), only=torch.ones(2, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="host_tables must be"):
         place_fused(ws._slot_of, ws._block_of, ws._last_used, 0, rows, wanted, protect, 1,
                     host_tables=torch.zeros(2, 10, dtype=torch.int64))

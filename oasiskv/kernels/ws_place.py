@@ -37,9 +37,9 @@ def _ws_place_kernel(
     slot_of_ptr, block_of_ptr, last_used_ptr, rows_ptr, layer_ptr, layer_val,
     wanted_ptr, protect_ptr, step_ptr, step_val, miss_ptr, slots_ptr,
     host_ptr, only_ptr, src_ptr, dst_ptr,
-    s_sl, s_sr, s_bl, s_br, s_ul, s_ur, s_prot, s_host, s_or, s_ok,
+    s_sl, s_sr, s_bl, s_br, s_ul, s_ur, s_want, s_prot, s_host, s_or, s_ok,
     K, W, M, P,
-    LAYER_PER_ROW: tl.constexpr, STEP_IN_PTR: tl.constexpr, COPIES: tl.constexpr,
+    LAYER_PER_ROW: tl.constexpr, STEP_IN_PTR: tl.constexpr, COPIES: tl.constexpr, ONLY: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr, IDX_BITS: tl.constexpr, KEEP_CODE: tl.constexpr,
 ):
     i = tl.program_id(0).to(tl.int64)
@@ -58,7 +58,7 @@ def _ws_place_kernel(
 
     # the wanted blocks and their current slots
     k = tl.arange(0, BLOCK_K)
-    wanted = tl.load(wanted_ptr + i * K + k, mask=k < K, other=-1)
+    wanted = tl.load(wanted_ptr + i * s_want + k, mask=k < K, other=-1)
     valid = wanted >= 0
     w = tl.where(valid, wanted, M).to(tl.int64)
     slots = tl.load(slot_row + w, mask=valid, other=-1)
@@ -91,8 +91,9 @@ def _ws_place_kernel(
     tl.store(slots_ptr + i * K + k, slots, mask=k < K)
 
     if COPIES:
-        only = tl.load(only_ptr + i * s_or + k * s_ok, mask=k < K, other=0)
-        copy = miss & (only != 0)
+        copy = miss
+        if ONLY:
+            copy = copy & (tl.load(only_ptr + i * s_or + k * s_ok, mask=k < K, other=0) != 0)
         src = tl.load(host_ptr + i * s_host + w, mask=copy, other=-1)
         tl.store(src_ptr + i * K + k, tl.where(copy, src, -1), mask=k < K)
         tl.store(dst_ptr + i * K + k, tl.where(copy, slots, -1), mask=k < K)
@@ -114,7 +115,6 @@ def place_fused(slot_of: torch.Tensor, block_of: torch.Tensor, last_used: torch.
     r, k = wanted.shape
     dev = wanted.device
     if host_tables is not None:
-        only = torch.ones(r, 1, dtype=torch.bool, device=dev) if only is None else only
         _check_copies(wanted, host_tables, only)
     miss = torch.empty(r, k, dtype=torch.int8, device=dev)
     slots = torch.empty(r, k, dtype=torch.int32, device=dev)
@@ -134,18 +134,18 @@ def _launch(slot_of, block_of, last_used, layer, rows, wanted, protect, step, mi
     block_w = max(2, triton.next_power_of_2(width))
     idx_bits = block_w.bit_length() - 1
     per_row, step_in_ptr = isinstance(layer, torch.Tensor), isinstance(step, torch.Tensor)
-    copies = host_tables is not None
-    only = only.expand(r, k).view(torch.uint8) if copies else wanted
+    copies, has_only = host_tables is not None, only is not None
+    only = only.expand(r, k).view(torch.uint8) if has_only else wanted
     host_tables = host_tables if copies else wanted
     _ws_place_kernel[(r,)](
         slot_of, block_of, last_used, rows, layer if per_row else rows, 0 if per_row else layer,
         wanted, protect.view(torch.uint8), step if step_in_ptr else last_used, 0 if step_in_ptr else step,
         miss, slots, host_tables, only, src, dst,
         slot_of.stride(0), slot_of.stride(1), block_of.stride(0), block_of.stride(1),
-        last_used.stride(0), last_used.stride(1), protect.stride(0), host_tables.stride(0),
+        last_used.stride(0), last_used.stride(1), wanted.stride(0), protect.stride(0), host_tables.stride(0),
         only.stride(0), only.stride(1),
         k, width, slot_of.shape[2] - 1, protect.shape[1],
-        LAYER_PER_ROW=per_row, STEP_IN_PTR=step_in_ptr, COPIES=copies,
+        LAYER_PER_ROW=per_row, STEP_IN_PTR=step_in_ptr, COPIES=copies, ONLY=has_only,
         BLOCK_K=max(2, triton.next_power_of_2(k)), BLOCK_W=block_w, IDX_BITS=idx_bits,
         KEEP_CODE=(1 << (63 - idx_bits)) - 1, num_warps=4 if block_w >= 512 else 1,
     )
@@ -168,8 +168,8 @@ def _check_tables(slot_of, block_of, last_used) -> None:
 
 def _check_request(slot_of, layer, rows, wanted, protect, step) -> None:
     dev = slot_of.device
-    if wanted.dim() != 2 or wanted.dtype != torch.int32 or not wanted.is_contiguous():
-        raise ValueError(f"wanted must be a contiguous int32 [R, K], got {wanted.dtype} {tuple(wanted.shape)}")
+    if wanted.dim() != 2 or wanted.dtype != torch.int32 or wanted.stride(1) != 1:
+        raise ValueError(f"wanted must be int32 [R, K] with unit last stride, got {wanted.dtype} {tuple(wanted.shape)}")
     r = wanted.shape[0]
     if rows.shape != (r,) or rows.dtype != torch.int64:
         raise ValueError(f"rows must be int64 [{r}] (one per row of wanted), got {rows.dtype} {tuple(rows.shape)}")
@@ -193,7 +193,8 @@ def _check_copies(wanted, host_tables, only) -> None:
             or host_tables.stride(1) != 1:
         raise ValueError(f"host_tables must be int32 [{r}, blocks] with unit last stride, "
                          f"got {host_tables.dtype} {tuple(host_tables.shape)}")
-    if only.dtype != torch.bool or only.dim() != 2 or only.shape[0] != r or only.shape[1] not in (1, k):
+    if only is not None and (only.dtype != torch.bool or only.dim() != 2 or only.shape[0] != r
+                             or only.shape[1] not in (1, k)):
         raise ValueError(f"only must be bool [{r}, {k}] or [{r}, 1], got {only.dtype} {tuple(only.shape)}")
-    if host_tables.device != wanted.device or only.device != wanted.device:
+    if host_tables.device != wanted.device or (only is not None and only.device != wanted.device):
         raise ValueError("host_tables and only must be on the tables' device")

@@ -78,6 +78,19 @@ class WorkingSet:
             return place_fused(self._slot_of, self._block_of, self._last_used, layer, rows, wanted, protect, step)
         return self.place_reference(layer, rows, wanted, protect, step)
 
+    def place_with_copies(self, layer, rows, wanted, protect, step, host_tables: torch.Tensor,
+                          only: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """`place`, plus the copies that fill the misses where `only` (bool [B, K] or [B, 1]) allows:
+        (miss, slots, src, dst) with src = host_tables[row, wanted] (int32 [B, num_blocks]: each row's
+        host block of each logical block) and dst = slot, int32 [B, K], -1 where nothing is copied."""
+        if self.fused:
+            return place_fused(self._slot_of, self._block_of, self._last_used, layer, rows, wanted, protect, step,
+                               host_tables=host_tables, only=only)
+        miss, slots = self.place_reference(layer, rows, wanted, protect, step)
+        copy = miss if only is None else miss & only
+        src = torch.where(copy, host_tables.gather(1, wanted.clamp(min=0).long()), -1).to(torch.int32)
+        return miss, slots, src, torch.where(copy, slots, -1).to(torch.int32)
+
     def place_reference(self, layer, rows, wanted, protect, step) -> tuple[torch.Tensor, torch.Tensor]:
         """The torch twin of the fused kernel: `place` in ~25 vectorised ops."""
         valid = wanted >= 0
