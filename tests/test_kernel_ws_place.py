@@ -4,6 +4,8 @@ last_used, protected blocks), all three tables and all outputs must be exactly e
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
@@ -169,6 +171,17 @@ def test_copy_lists(only_shape):
         copied = bool(miss[i, j] and allowed[i, j])
         assert (src[i, j].item(), dst[i, j].item()) == (
             (host_tables[i, wanted[i, j]].item(), slots[i, j].item()) if copied else (-1, -1))
+
+
+def test_compiles_for_the_h200():
+    # the interpreter cannot tell whether sort, gather and cumsum lower for the GPU: compile for sm_90 (no GPU
+    # needed) in a process without the interpreter, at the headline width and at a width of 1024 (+1)
+    code = ("from oasiskv.kernels.ws_place import compile_for\n"
+            "for width, k in ((129, 128), (1025, 6)):\n"
+            "    assert compile_for(90, width, k).asm['cubin']\n")
+    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_bad_input_is_refused():

@@ -131,10 +131,9 @@ def place_fused(slot_of: torch.Tensor, block_of: torch.Tensor, last_used: torch.
 def _launch(slot_of, block_of, last_used, layer, rows, wanted, protect, step, miss, slots,
             host_tables, only, src, dst, width) -> None:
     r, k = wanted.shape
-    block_w = max(2, triton.next_power_of_2(width))
-    idx_bits = block_w.bit_length() - 1
     per_row, step_in_ptr = isinstance(layer, torch.Tensor), isinstance(step, torch.Tensor)
     copies, has_only = host_tables is not None, only is not None
+    meta = _meta(width, k, per_row, step_in_ptr, copies, has_only)
     only = only.expand(r, k).view(torch.uint8) if has_only else wanted
     host_tables = host_tables if copies else wanted
     _ws_place_kernel[(r,)](
@@ -144,11 +143,39 @@ def _launch(slot_of, block_of, last_used, layer, rows, wanted, protect, step, mi
         slot_of.stride(0), slot_of.stride(1), block_of.stride(0), block_of.stride(1),
         last_used.stride(0), last_used.stride(1), wanted.stride(0), protect.stride(0), host_tables.stride(0),
         only.stride(0), only.stride(1),
-        k, width, slot_of.shape[2] - 1, protect.shape[1],
-        LAYER_PER_ROW=per_row, STEP_IN_PTR=step_in_ptr, COPIES=copies, ONLY=has_only,
-        BLOCK_K=max(2, triton.next_power_of_2(k)), BLOCK_W=block_w, IDX_BITS=idx_bits,
-        KEEP_CODE=(1 << (63 - idx_bits)) - 1, num_warps=4 if block_w >= 512 else 1,
+        k, width, slot_of.shape[2] - 1, protect.shape[1], **meta,
     )
+
+
+def _meta(width: int, k: int, per_row: bool, step_in_ptr: bool, copies: bool, has_only: bool) -> dict:
+    """The kernel's compile-time arguments (and warps) for a placement's shape and argument kinds."""
+    block_w = max(2, triton.next_power_of_2(width))
+    idx_bits = block_w.bit_length() - 1
+    return dict(LAYER_PER_ROW=per_row, STEP_IN_PTR=step_in_ptr, COPIES=copies, ONLY=has_only,
+                BLOCK_K=max(2, triton.next_power_of_2(k)), BLOCK_W=block_w, IDX_BITS=idx_bits,
+                KEEP_CODE=(1 << (63 - idx_bits)) - 1, num_warps=4 if block_w >= 512 else 1)
+
+
+_POINTERS = {"slot_of_ptr": "*i32", "block_of_ptr": "*i32", "last_used_ptr": "*i64", "rows_ptr": "*i64",
+             "layer_ptr": "*i64", "wanted_ptr": "*i32", "protect_ptr": "*u8", "step_ptr": "*i64", "miss_ptr": "*i8",
+             "slots_ptr": "*i32", "host_ptr": "*i32", "only_ptr": "*u8", "src_ptr": "*i32", "dst_ptr": "*i32"}
+
+
+def compile_for(arch: int, width: int, k: int, copies: bool = True):
+    """Compiles the kernel ahead of time for CUDA compute capability `arch` (90: H100/H200) with no GPU
+    present (Triton's bundled ptxas), per-row layers and a device step: checks that the GPU lowering
+    (sort, gather, cumsum) builds where the interpreter cannot tell. Needs TRITON_INTERPRET unset."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource
+
+    meta = _meta(width, k, True, True, copies, copies)
+    warps = meta.pop("num_warps")
+    names = _ws_place_kernel.arg_names
+    signature = {n: _POINTERS.get(n, "constexpr" if n in meta else "i64" if n == "step_val" else "i32")
+                 for n in names}
+    constexprs = {(names.index(n),): v for n, v in meta.items()}
+    return triton.compile(ASTSource(_ws_place_kernel, signature, constexprs), target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": warps})
 
 
 def _check_tables(slot_of, block_of, last_used) -> None:
