@@ -30,8 +30,8 @@ def request(ws, g, layer, rows, k, kind):
     layers = layer.tolist() if isinstance(layer, torch.Tensor) else [layer] * len(rows)
     wanted = torch.full((len(rows), k), -1, dtype=torch.int32)
     protect = torch.zeros(len(rows), ws.max_blocks, dtype=torch.bool)
-    for i, (l, r) in enumerate(zip(layers, rows.tolist())):
-        held = resident(ws, l, r)
+    for i, (lay, r) in enumerate(zip(layers, rows.tolist())):
+        held = resident(ws, lay, r)
         absent = [b for b in range(ws.max_blocks) if b not in held]
         if kind == "hits":
             pool = held
