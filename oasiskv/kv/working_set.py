@@ -9,14 +9,23 @@ whole decode batch is handled with a few vectorised ops per layer:
 Nothing here waits on the device: updates that apply to only some entries of a [B, K] request send
 the others to one spare column at the end of each table (never read), instead of filtering them
 with a host-synchronising nonzero().
+On CUDA (or when asked, under the Triton interpreter) a placement is one fused kernel launch
+(kernels/ws_place.py); the torch code below stays as its reference and runs on the CPU.
 """
 from __future__ import annotations
 
 import torch
 
+from oasiskv.kernels.ws_place import fused_place_runs, place_fused
+
 
 class WorkingSet:
-    def __init__(self, num_layers: int, rows: int, slots_per_row: int, max_blocks: int, device: torch.device):
+    def __init__(self, num_layers: int, rows: int, slots_per_row: int, max_blocks: int, device: torch.device,
+                 fused: bool | None = None):
+        """`fused`: place with the fused kernel (default: on CUDA); needs CUDA or the Triton interpreter."""
+        self.fused = device.type == "cuda" if fused is None else fused
+        if self.fused and not fused_place_runs(device):
+            raise ValueError(f"the fused placement kernel needs CUDA or TRITON_INTERPRET=1, got {device}")
         self.rows, self.width, self.max_blocks = rows, slots_per_row, max_blocks
         self._slot_of = torch.full((num_layers, rows, max_blocks + 1), -1, dtype=torch.int32, device=device)
         self._block_of = torch.full((num_layers, rows, slots_per_row + 1), -1, dtype=torch.int32, device=device)
@@ -65,6 +74,25 @@ class WorkingSet:
         the blocks that were not resident: the caller fills those slots. Needs at most `width`
         protected blocks per row. `step` (an int or a 0-d device tensor) marks the wanted blocks as used.
         `layer` is an int, or a long tensor [B] giving each row's layer (rows of several layers at once)."""
+        if self.fused:
+            return place_fused(self._slot_of, self._block_of, self._last_used, layer, rows, wanted, protect, step)
+        return self.place_reference(layer, rows, wanted, protect, step)
+
+    def place_with_copies(self, layer, rows, wanted, protect, step, host_tables: torch.Tensor,
+                          only: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """`place`, plus the copies that fill the misses where `only` (bool [B, K] or [B, 1]) allows:
+        (miss, slots, src, dst) with src = host_tables[row, wanted] (int32 [B, num_blocks]: each row's
+        host block of each logical block) and dst = slot, int32 [B, K], -1 where nothing is copied."""
+        if self.fused:
+            return place_fused(self._slot_of, self._block_of, self._last_used, layer, rows, wanted, protect, step,
+                               host_tables=host_tables, only=only)
+        miss, slots = self.place_reference(layer, rows, wanted, protect, step)
+        copy = miss if only is None else miss & only
+        src = torch.where(copy, host_tables.gather(1, wanted.clamp(min=0).long()), -1).to(torch.int32)
+        return miss, slots, src, torch.where(copy, slots, -1).to(torch.int32)
+
+    def place_reference(self, layer, rows, wanted, protect, step) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch twin of the fused kernel: `place` in ~25 vectorised ops."""
         valid = wanted >= 0
         w = torch.where(valid, wanted.long(), self.max_blocks)  # none -> the spare column (holds -1)
         slots = self._slot_of[layer, rows].gather(1, w)

@@ -174,15 +174,13 @@ class TieredPolicy(SparsePolicy):
         `rows` and their `host_tables`) a long tensor of each row's layer."""
         rows = self.rows if rows is None else rows
         host_tables = self.host_tables if host_tables is None else host_tables
-        miss, slots = self.ws.place(layer, rows, wanted, protect, self.step_tensor)
-        copy = miss if only is None else miss & only
-        src = torch.where(copy, host_tables.gather(1, wanted.clamp(min=0).long()), -1).to(torch.int32)
-        dst = torch.where(copy, slots, -1).to(torch.int32)
+        miss, slots, src, dst = self.ws.place_with_copies(layer, rows, wanted, protect, self.step_tensor,
+                                                          host_tables, only)
         if isinstance(layer, torch.Tensor):
             layers = layer[:, None].expand_as(dst).to(torch.int32).reshape(-1)
         else:
             layers = torch.full_like(dst.reshape(-1), layer)
-        self.count("fetched_blocks", copy, lane)
+        self.count("fetched_blocks", dst >= 0, lane)
         return miss, slots, (layers, src.reshape(-1), dst.reshape(-1))
 
     def copy_from_host(self, copies, stream=None) -> None:
