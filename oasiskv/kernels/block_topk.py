@@ -9,9 +9,10 @@ draft step).
 How a row is selected. Each score becomes an integer rank (:func:`_rank_key`: ordered like the fp32
 score; NaN and -inf as the lowest finite score, +inf as the largest finite one, -0 as +0). The
 threshold T of the ``need`` best ranks is found bit by bit (32 passes of compare-and-count over the
-row, held in registers); ranks above T are taken, and of the ranks equal to T the first ones in the
-row (lower block ids) fill the rest. The chosen blocks are written in row order (ascending ids) at
-their running count, then -1 padding: no sort.
+row, held in registers; skipped when every candidate is needed: short rows, few misses); ranks above
+T are taken, and of the ranks equal to T the first ones in the row (lower block ids) fill the rest.
+The chosen blocks are written in row order (ascending ids) at their running count, then -1 padding:
+no sort.
 
 Sizes: rows of up to ``MAX_BLOCKS`` blocks and ``K`` up to ``MAX_K``; larger calls take the torch
 path, as do CPU tensors unless this module was imported with ``TRITON_INTERPRET=1``.
@@ -46,18 +47,21 @@ def _rank_key(x):
 @triton.jit
 def _top_in_order(u, need):
     """bool mask of the `need` largest entries of u (int64, > 0 for candidates, 0 for the others);
-    among equal values the earlier entries win."""
-    threshold = tl.full([], 0, tl.int64)
-    step = tl.full([], 1 << 31, tl.int64)
-    for _ in range(32):  # largest threshold with at least `need` entries >= it
-        trial = threshold + step
-        enough = tl.sum((u >= trial).to(tl.int32), axis=0) >= need
-        threshold = tl.where(enough, trial, threshold)
-        step = step >> 1
-    above = u > threshold
-    tied = (u == threshold).to(tl.int32)
-    ties_before = tl.cumsum(tied, axis=0) - tied
-    return above | ((tied != 0) & (ties_before < need - tl.sum(above.to(tl.int32), axis=0)))
+    among equal values the earlier entries win. No search when every candidate is needed."""
+    chosen = u > 0
+    if need < tl.sum(chosen.to(tl.int32), axis=0):
+        threshold = tl.full([], 0, tl.int64)
+        step = tl.full([], 1 << 31, tl.int64)
+        for _ in range(32):  # the largest threshold with at least `need` entries >= it
+            trial = threshold + step
+            enough = tl.sum((u >= trial).to(tl.int32), axis=0) >= need
+            threshold = tl.where(enough, trial, threshold)
+            step = step >> 1
+        above = u > threshold
+        tied = (u == threshold).to(tl.int32)
+        ties_before = tl.cumsum(tied, axis=0) - tied
+        chosen = above | ((tied != 0) & (ties_before < need - tl.sum(above.to(tl.int32), axis=0)))
+    return chosen
 
 
 @triton.jit
@@ -92,7 +96,7 @@ def _select_kernel(scores_ptr, s_sc_r, s_sc_j, n_ptr, counts_ptr, out_ptr, s_out
                    res_ptr, layer_ptr, rows_ptr, s_res_l, s_res_r, s_res_j,
                    fetch_ptr, s_fetch_r, cap, mask_ptr, s_mask_r, mask_width,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_CAP: tl.constexpr,
-                   PLAN: tl.constexpr, INDEXED: tl.constexpr, SLOTS: tl.constexpr):
+                   MASK_TILES: tl.constexpr, PLAN: tl.constexpr, INDEXED: tl.constexpr, SLOTS: tl.constexpr):
     # One program per row: the selection (sink, local window, top scores), and with PLAN its
     # bool mask and the fetch list (selected, not resident, best `cap` scores).
     r = tl.program_id(0)
@@ -109,8 +113,8 @@ def _select_kernel(scores_ptr, s_sc_r, s_sc_j, n_ptr, counts_ptr, out_ptr, s_out
     if PLAN:
         row_mask = mask_ptr + r.to(tl.int64) * s_mask_r
         tl.store(row_mask + j, chosen, mask=j < mask_width)
-        for start in range(BLOCK_N, mask_width, BLOCK_N):
-            tl.store(row_mask + start + j, tl.zeros([BLOCK_N], tl.int1), mask=start + j < mask_width)
+        for tile in tl.static_range(1, MASK_TILES):  # the columns past BLOCK_N: none selected
+            tl.store(row_mask + tile * BLOCK_N + j, tl.zeros([BLOCK_N], tl.int1), mask=tile * BLOCK_N + j < mask_width)
         base = _resident_row(res_ptr, layer_ptr, rows_ptr, r, s_res_l, s_res_r, INDEXED)
         resident = _is_resident(tl.load(base + j * s_res_j, mask=chosen, other=0), SLOTS)
         wanted = chosen & ~resident & (x > float("-inf"))
@@ -148,7 +152,8 @@ def _fits(device: torch.device, max_blocks: int, k: int) -> bool:
 
 
 def _warps(block: int) -> int:
-    return 4 if block <= 2048 else 8
+    """A warp per 256 entries of a row, 4 to 16 (sm_90: 80 registers at 2048/8, a little spill at 8192/16)."""
+    return max(4, min(16, block // 256))
 
 
 # ---------------------------------------------------------------------------------------- residency
@@ -230,7 +235,8 @@ def _launch_select(scores, n, budget, sink, local, check_values, cap=0, residenc
         table, layer_of, row_ids, *strides,
         fetch, fetch.stride(0), cap, mask, mask.stride(0), mask_width,
         BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(k), BLOCK_CAP=triton.next_power_of_2(max(cap, 1)),
-        PLAN=plan, INDEXED=indexed, SLOTS=slots, num_warps=_warps(block_n),
+        MASK_TILES=triton.cdiv(mask_width, block_n), PLAN=plan, INDEXED=indexed, SLOTS=slots,
+        num_warps=_warps(block_n),
     )
     return counts, out, mask, fetch
 

@@ -14,6 +14,7 @@ import torch
 
 from oasiskv.config import KVConfig
 from oasiskv.kernels.block_select import block_scores, block_scores_reference, select_blocks_padded
+from oasiskv.kernels.block_topk import select_blocks_fused
 from oasiskv.kernels.paged_decode import paged_decode_attention, paged_decode_reference
 from oasiskv.kernels.sparse_decode import sparse_decode_attention, sparse_decode_reference
 from oasiskv.kv.gpu_pool import KVPool
@@ -97,8 +98,9 @@ class SparsePolicy(KVPolicy):
         meta = self.meta
         nblocks = (meta.decode_seq_lens + self.block_size - 1) // self.block_size
         scores = self.score_blocks(layer, q, score_tables, nblocks.to(torch.int32))
-        counts, padded = select_blocks_padded(scores, nblocks.to(torch.int32), self.budget_blocks,
-                                              self.cfg.sink_blocks, self.cfg.local_blocks)
+        select = select_blocks_fused if self.cuda else select_blocks_padded
+        counts, padded = select(scores, nblocks.to(torch.int32), self.budget_blocks, self.cfg.sink_blocks,
+                                self.cfg.local_blocks)
         indptr, indices = padded_to_csr(padded)
         self.selected_on_device += counts.sum()  # summed on the device: no sync per layer
         return counts, padded, indptr, indices
