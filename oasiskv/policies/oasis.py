@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from oasiskv.kernels.block_select import select_blocks_padded
+from oasiskv.kernels.block_topk import predict_prefetch, predict_prefetch_reference
 from oasiskv.kernels.residency import COUNTERS as RESIDENCY_COUNTERS
 from oasiskv.kernels.residency import resident_selection, resident_selection_reference
 from oasiskv.kernels.paged_decode import paged_decode_attention, paged_decode_reference
@@ -274,16 +274,11 @@ class OasisPolicy(TieredPolicy):
         host_tables = self.host_tables.repeat(g, 1)
         scores = self.combined(torch.cat([self.local_scores(layer, q, self.host_tables, nblocks)
                                           for layer, q in zip(layers, queries)]))  # one collective per group
-        _, prediction = select_blocks_padded(scores, nblocks.repeat(g), self.budget_blocks, self.cfg.sink_blocks,
-                                             self.cfg.local_blocks)
-        ids = prediction.clamp(min=0).long()
-        predicted = self.mask_of(prediction, self.ws.max_blocks + 1)  # also what placement must keep
-        self.predicted[layer_of, rows] = predicted
-        resident = self.ws.table(layer_of, rows, host_tables.shape[1]).gather(1, ids) >= 0
-        wanted = (prediction >= 0) & ~resident
-        key = torch.where(wanted, scores.gather(1, ids), float("-inf"))
-        best = key.topk(min(self.fetch_cap_blocks, key.shape[1]), dim=1)
-        fetch = torch.where(best.values > float("-inf"), prediction.gather(1, best.indices), -1)
+        plan = predict_prefetch if self.cuda else predict_prefetch_reference  # one kernel on the GPU
+        _, predicted, fetch = plan(scores, nblocks.repeat(g), self.budget_blocks, self.cfg.sink_blocks,
+                                   self.cfg.local_blocks, self.fetch_cap_blocks, self.ws.max_blocks + 1,
+                                   slot_of=self.ws.slot_of, layer_of=layer_of, rows=rows)
+        self.predicted[layer_of, rows] = predicted  # also what placement must keep
         fetched, _, copies = self.place(layer_of, fetch, predicted, lane=1, rows=rows,
                                         host_tables=host_tables)
         self.copy_from_host(copies)

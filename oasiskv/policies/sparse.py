@@ -15,6 +15,7 @@ import torch
 
 from oasiskv.config import KVConfig
 from oasiskv.kernels.block_select import block_scores, block_scores_reference, select_blocks_padded
+from oasiskv.kernels.block_topk import select_blocks_fused
 from oasiskv.kernels.paged_decode import paged_decode_attention, paged_decode_reference
 from oasiskv.kernels.sparse_decode import sparse_decode_attention_padded, sparse_decode_padded_reference
 from oasiskv.kv.gpu_pool import KVPool
@@ -121,8 +122,8 @@ class SparsePolicy(KVPolicy):
         """Selection of each decode query: (counts [B], padded logical ids int32 [B, K], -1 = none)."""
         nblocks = self.rows_now.nblocks
         scores = self.score_blocks(layer, q, score_tables, nblocks)
-        counts, padded = select_blocks_padded(scores, nblocks, self.budget_blocks, self.cfg.sink_blocks,
-                                              self.cfg.local_blocks)
+        select = select_blocks_fused if self.cuda else select_blocks_padded
+        counts, padded = select(scores, nblocks, self.budget_blocks, self.cfg.sink_blocks, self.cfg.local_blocks)
         self.selected_on_device += counts.sum()  # summed on the device: no sync per layer
         return counts, padded
 
