@@ -113,13 +113,16 @@ def check(args) -> bool:
 def time_steps(args) -> list[dict]:
     rows = []
     prompts = prompts_for(args.time_batch, args.time_context, stride=0)
-    variants = [(mode, eager, group) for mode in args.time_modes.split(",")
+    variants = [(mode, eager, group, programs) for mode in args.time_modes.split(",")
                 for eager in ((False, True) if args.time_eager else (False,))
-                for group in ([int(g) for g in args.predict_groups.split(",")] if mode == "oasis" else [None])]
-    for mode, eager, group in variants:
+                for group in ([int(g) for g in args.predict_groups.split(",")] if mode == "oasis" else [None])
+                for programs in ([int(p) for p in args.prefetch_programs.split(",")] if mode == "oasis" else [None])]
+    for mode, eager, group, programs in variants:
         kv = {"fetch_cap": args.fetch_cap} if mode == "oasis" else {}
         if group:
             OasisPolicy.PREDICT_GROUP = group
+        if programs is not None:
+            OasisPolicy.PREFETCH_PROGRAMS = programs
         total = args.time_steps + args.warmup_steps + args.time_batch + 8  # none finishes while timed
         engine = engine_for(args, mode, eager, "bfloat16", args.time_context, total, **kv)
         params = SamplingParams(temperature=0, max_tokens=total, ignore_eos=True)
@@ -138,7 +141,8 @@ def time_steps(args) -> list[dict]:
         torch.cuda.synchronize()
         ms = (time.perf_counter() - t) / n * 1000
         st = engine.stats_dict()
-        row = {"mode": mode, "cuda_graphs": not eager, "predict_group": group, "batch": args.time_batch,
+        row = {"mode": mode, "cuda_graphs": not eager, "predict_group": group, "prefetch_programs": programs,
+               "batch": args.time_batch,
                "context": args.time_context,
                "ms_per_step": round(ms, 2), "tok_per_s": round(args.time_batch / ms * 1000, 1),
                **{k: st.get(k) for k in ("kv_prefetch_bytes_per_step", "kv_agreement", "kv_hit_rate",
@@ -169,6 +173,8 @@ def main() -> None:
     p.add_argument("--time-modes", default="quest,oasis,dense,retrieval")
     p.add_argument("--fetch-cap", type=float, default=0.05)
     p.add_argument("--predict-groups", default="6", help="oasis: layers predicted together, one timing run each")
+    p.add_argument("--prefetch-programs", default="16", help="oasis: GPU programs of the prefetch copy (0: one "
+                   "per block), one timing run each")
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--check-modes", default="dense,quest,retrieval,oasis")
     p.add_argument("--json", default=None)

@@ -71,11 +71,12 @@ def test_gather_splits_and_tiles_agree():
     host = _host((2, 8, 2, 8, 2, 16), torch.float32, gen)  # chunk 512 words
     layer_ids, src, dst = _lists(gen, 6, 2, 8, 6)
     want = gather_host_blocks_reference(host.cpu(), torch.zeros(2, 6, 2, 8, 2, 16), layer_ids, src, dst)
-    for tile, splits in ((128, 1), (128, 3), (256, 2), (512, 1)):
+    for tile, splits, programs in ((128, 1, None), (128, 3, None), (256, 2, None), (512, 1, None), (128, 1, 1),
+                                   (256, 2, 4), (512, None, 5), (512, None, 64)):
         got = torch.zeros((2, 6, 2, 8, 2, 16), device=DEV)
         gather_host_blocks(host, got, layer_ids.to(DEV), src.to(DEV), dst.to(DEV),
-                           tile=tile, splits=splits)
-        assert torch.equal(got.cpu(), want), (tile, splits)
+                           tile=tile, splits=splits, programs=programs)  # programs: fewer programs, looping
+        assert torch.equal(got.cpu(), want), (tile, splits, programs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

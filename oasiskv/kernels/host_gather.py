@@ -62,10 +62,17 @@ __all__ = [
 def _copy_chunks_kernel(
     src_ptr, dst_ptr, layer_ptr, src_idx_ptr, dst_idx_ptr,
     src_layer_stride, dst_layer_stride,  # in words; the block stride is CHUNK (contiguous tensors)
+    n,  # entries: program p of grid axis 0 copies entries p, p + P, p + 2P, ... (P programs on that axis)
     CHUNK: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, EVEN: tl.constexpr,
 ):
-    i = tl.program_id(0)
-    part = tl.program_id(1)
+    for i in range(tl.program_id(0), n, tl.num_programs(0)):
+        _copy_chunk(src_ptr, dst_ptr, layer_ptr, src_idx_ptr, dst_idx_ptr, src_layer_stride, dst_layer_stride,
+                    i, tl.program_id(1), CHUNK, TILE, SPLITS, EVEN)
+
+
+@triton.jit
+def _copy_chunk(src_ptr, dst_ptr, layer_ptr, src_idx_ptr, dst_idx_ptr, src_layer_stride, dst_layer_stride, i, part,
+                CHUNK: tl.constexpr, TILE: tl.constexpr, SPLITS: tl.constexpr, EVEN: tl.constexpr):
     layer = tl.load(layer_ptr + i).to(tl.int64)
     s = tl.load(src_idx_ptr + i).to(tl.int64)
     d = tl.load(dst_idx_ptr + i).to(tl.int64)
@@ -174,19 +181,25 @@ def _host_device_view(host: torch.Tensor, w: int, device: torch.device) -> torch
 
 
 def _launch(src_words, dst_words, src_layer_stride, dst_layer_stride, chunk_words,
-            layer_ids, src_idx, dst_idx, *, tile=None, splits=None, num_warps=None):
+            layer_ids, src_idx, dst_idx, *, tile=None, splits=None, num_warps=None, programs=None):
+    """`programs`: at most this many programs (x splits) copy the entries, looping over them: a
+    background copy then leaves most SMs to the compute stream (default: one program per entry)."""
     n = layer_ids.numel()
     if tile is None:
         tile = min(4096, triton.next_power_of_2(chunk_words))
     num_tiles = triton.cdiv(chunk_words, tile)
+    if programs is not None:  # a background copy: few programs, each a whole chunk at a time
+        programs, splits = max(1, min(programs, n)), splits or 1
+    else:
+        programs = n
     if splits is None:
         sms = num_sms(dst_words.device) if dst_words.is_cuda else 8
         splits = max(1, min(num_tiles, triton.cdiv(2 * sms, n)))
     if num_warps is None:
         num_warps = 4 if tile >= 512 else 1
-    _copy_chunks_kernel[(n, splits)](
+    _copy_chunks_kernel[(programs, splits)](
         src_words, dst_words, layer_ids, src_idx, dst_idx,
-        src_layer_stride, dst_layer_stride,
+        src_layer_stride, dst_layer_stride, n,
         CHUNK=chunk_words, TILE=tile, SPLITS=splits, EVEN=chunk_words % tile == 0,
         num_warps=num_warps,
     )
@@ -268,7 +281,7 @@ def gather_host_blocks(
 
     Index lists are int32 [N] (CPU or GPU). One zero-copy Triton launch on CUDA with a pinned host
     store (on `stream` if given, else the current stream; asynchronous). Returns gpu_kv.
-    `tune` (tile, splits, num_warps) is for benchmarks.
+    `tune`: tile, splits, num_warps (for benchmarks) and programs (see _launch).
     """
     n = _check("host_kv", host_kv, "gpu_kv", gpu_kv, layer_ids, src_blocks, dst_slots,
                ("layer_ids", "src_blocks", "dst_slots"))

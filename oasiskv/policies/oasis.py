@@ -75,6 +75,9 @@ class OasisPolicy(TieredPolicy):
                                         "agree_hits", "agree_total")
     STEP_TENSORS = TieredPolicy.STEP_TENSORS + ("cold", "fresh")
     PREDICT_GROUP = 6  # consecutive layers predicted together: fewer, larger kernels on the copy stream
+    # GPU programs that copy the prefetched blocks (0: one per block). A copy waits on PCIe, not on the
+    # SMs: a few programs keep the link busy and leave the other SMs to the compute stream.
+    PREFETCH_PROGRAMS = 16
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
@@ -281,7 +284,7 @@ class OasisPolicy(TieredPolicy):
         self.predicted[layer_of, rows] = predicted  # also what placement must keep
         fetched, _, copies = self.place(layer_of, fetch, predicted, lane=1, rows=rows,
                                         host_tables=host_tables)
-        self.copy_from_host(copies)
+        self.copy_from_host(copies, programs=self.PREFETCH_PROGRAMS or None)
         self.count("prefetched_blocks", fetched, lane=1)
         self.flush_counts(layer_of, lane=1, rows=rows)
         torch.maximum(self.most_prefetched, fetched.sum(1).max(), out=self.most_prefetched)

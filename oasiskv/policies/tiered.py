@@ -183,14 +183,15 @@ class TieredPolicy(SparsePolicy):
         self.count("fetched_blocks", dst >= 0, lane)
         return miss, slots, (layers, src.reshape(-1), dst.reshape(-1))
 
-    def copy_from_host(self, copies, stream=None) -> None:
+    def copy_from_host(self, copies, stream=None, programs: int | None = None) -> None:
+        """`programs`: copy with at most this many GPU programs (a background copy), else one per block."""
         if not self.cuda:
             gather_host_blocks_reference(self.host.kv, self.pool.kv, *copies)
             return
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())  # the lists, and readers of evicted slots
             self.keep_alive(copies, stream)
-        gather_host_blocks(self.host.kv, self.pool.kv, *copies, stream=stream)
+        gather_host_blocks(self.host.kv, self.pool.kv, *copies, stream=stream, programs=programs)
 
     def spill_full_tails(self, layer, fill, tail_slots, tail_host) -> None:
         """A tail block that just filled is written once to the host store; it stays resident. On the
