@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from oasiskv.kernels.block_topk import predict_prefetch, predict_prefetch_reference
+from oasiskv.kernels.block_topk import predict_prefetch_reference
 from oasiskv.kernels.residency import COUNTERS as RESIDENCY_COUNTERS
 from oasiskv.kernels.residency import resident_selection, resident_selection_reference
 from oasiskv.kernels.paged_decode import paged_decode_attention, paged_decode_reference
@@ -277,7 +277,9 @@ class OasisPolicy(TieredPolicy):
         host_tables = self.host_tables.repeat(g, 1)
         scores = self.combined(torch.cat([self.local_scores(layer, q, self.host_tables, nblocks)
                                           for layer, q in zip(layers, queries)]))  # one collective per group
-        plan = predict_prefetch if self.cuda else predict_prefetch_reference  # one kernel on the GPU
+        # the one-launch kernel (predict_prefetch) is not used: in the engine it accesses memory out of bounds
+        # (see WorkingSet.fused), so the torch twin runs on the GPU too until that is found
+        plan = predict_prefetch_reference
         _, predicted, fetch = plan(scores, nblocks.repeat(g), self.budget_blocks, self.cfg.sink_blocks,
                                    self.cfg.local_blocks, self.fetch_cap_blocks, self.ws.max_blocks + 1,
                                    slot_of=self.ws.slot_of, layer_of=layer_of, rows=rows)
