@@ -36,7 +36,7 @@ PHASES = (
     ("policy", "wait_for_copies", "gather wait"),
     ("policy", "wait_for_prefetch", "gather wait"),
     ("policy", "attention", "attention"),
-    ("policy", "attend_blocks", "attention"),
+    ("policy", "attend_with_draft", "attention"),
     ("policy", "predict_and_prefetch", "draft: prediction + prefetch issue"),
     ("model", "logits", "sampling (logits + sampler)"),
     ("sampler", "sample", "sampling (logits + sampler)"),
