@@ -175,11 +175,11 @@ class RemoteOasisPolicy(OasisPolicy):
     def graph_key(self):
         return None  # remote reads are driven from the host, step by step: never captured in a CUDA graph
 
-    def copy_from_host(self, copies, stream=None) -> None:
+    def copy_from_host(self, copies, stream=None, programs: int | None = None) -> None:
         layers, blocks, slots = copies
         if self.cuda:  # host entries freed earlier may still be read or written by queued copies
             torch.cuda.synchronize()
-        super().copy_from_host((layers, self.remote.localize(layers, blocks), slots), stream)
+        super().copy_from_host((layers, self.remote.localize(layers, blocks), slots), stream, programs)
         if self.cuda:  # cached chunks are reused only after the gather has read them
             (stream or torch.cuda.current_stream()).synchronize()
         self.remote.chunks.trim()
