@@ -176,7 +176,7 @@ def _residency(rows_of: int, device, resident=None, slot_of=None, layer_of=None,
     for name, t in (("slot_of", slot_of), ("layer_of", layer_of), ("rows", rows)):
         if t.device != device:
             raise ValueError(f"{name} is on {t.device}, scores on {device}")
-    return slot_of, layer_of, rows, slot_of.stride(), True, True
+    return slot_of, layer_of.contiguous(), rows.contiguous(), slot_of.stride(), True, True  # kernels read [i]
 
 
 def _resident_of(prediction_ids, resident=None, slot_of=None, layer_of=None, rows=None):

@@ -92,7 +92,7 @@ def resident_selection(selection, slot_of, predicted, rows, fresh, row_counts, l
     out = torch.empty_like(selection)
     if b == 0 or k == 0:
         return out
-    selection = selection.contiguous()
+    selection, rows, fresh = selection.contiguous(), rows.contiguous(), fresh.contiguous()  # read as [b]
     _resident_kernel[(b,)](
         selection, slot_of, predicted.view(torch.uint8), rows, fresh.view(torch.uint8), out, row_counts, layer_counts,
         counter_ids, layer, k, slot_of.stride(0), slot_of.stride(1), predicted.stride(0), predicted.stride(1),

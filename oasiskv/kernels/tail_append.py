@@ -67,6 +67,7 @@ def append_to_tails(kv_layer, slot_of, layer: int, rows, tail, fill, k, v, draft
     draft = draft_k is not None
     dk, dv = (draft_k.reshape(b, -1).contiguous(), draft_v.reshape(b, -1).contiguous()) if draft else (k, v)
     token = k.shape[1]
+    rows, tail, fill = rows.contiguous(), tail.contiguous(), fill.contiguous()  # read as [b]
     _append_kernel[(b,)](kv_layer, slot_of, rows, tail, fill, k, v, dk, dv, slots, layer, slot_of.stride(0),
                          slot_of.stride(1), kv_layer.stride(0), k.stride(0), dk.stride(0),
                          KV_HALF=kv_layer.stride(1), TOKEN=token, TOKEN_PAD=triton.next_power_of_2(token), DRAFT=draft)

@@ -132,6 +132,8 @@ def _launch(slot_of, block_of, last_used, layer, rows, wanted, protect, step, mi
             host_tables, only, src, dst, width) -> None:
     r, k = wanted.shape
     per_row, step_in_ptr = isinstance(layer, torch.Tensor), isinstance(step, torch.Tensor)
+    rows = rows.contiguous()  # read as rows[i]: a stride-0 view (an expanded list) would be read past its end
+    layer = layer.contiguous() if per_row else layer
     copies, has_only = host_tables is not None, only is not None
     meta = _meta(width, k, per_row, step_in_ptr, copies, has_only)
     only = only.expand(r, k).view(torch.uint8) if has_only else wanted

@@ -9,7 +9,7 @@ whole decode batch is handled with a few vectorised ops per layer:
 Nothing here waits on the device: updates that apply to only some entries of a [B, K] request send
 the others to one spare column at the end of each table (never read), instead of filtering them
 with a host-synchronising nonzero().
-When asked (fused=True; CUDA or the Triton interpreter) a placement is one fused kernel launch
+On CUDA (or when asked, under the Triton interpreter) a placement is one fused kernel launch
 (kernels/ws_place.py); the torch code below stays as its reference and runs on the CPU.
 """
 from __future__ import annotations
@@ -22,11 +22,8 @@ from oasiskv.kernels.ws_place import fused_place_runs, place_fused
 class WorkingSet:
     def __init__(self, num_layers: int, rows: int, slots_per_row: int, max_blocks: int, device: torch.device,
                  fused: bool | None = None):
-        """`fused`: place with the fused kernel (default: off); needs CUDA or the Triton interpreter."""
-        # off unless asked: driven by the engine's oasis steps on a tiny model under the Triton
-        # interpreter, the fused kernel reads or writes out of bounds (a segfault; on the H200 an illegal
-        # address in the throughput benchmark). Its unit tests pass; the engine path is not found yet.
-        self.fused = False if fused is None else fused
+        """`fused`: place with the fused kernel (default: on CUDA); needs CUDA or the Triton interpreter."""
+        self.fused = device.type == "cuda" if fused is None else fused
         if self.fused and not fused_place_runs(device):
             raise ValueError(f"the fused placement kernel needs CUDA or TRITON_INTERPRET=1, got {device}")
         self.rows, self.width, self.max_blocks = rows, slots_per_row, max_blocks

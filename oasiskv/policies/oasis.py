@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from oasiskv.kernels.block_topk import predict_prefetch_reference
+from oasiskv.kernels.block_topk import predict_prefetch, predict_prefetch_reference
 from oasiskv.kernels.residency import COUNTERS as RESIDENCY_COUNTERS
 from oasiskv.kernels.residency import resident_selection, resident_selection_reference
 from oasiskv.kernels.paged_decode import paged_decode_attention, paged_decode_reference
@@ -272,14 +272,14 @@ class OasisPolicy(TieredPolicy):
         prediction, placement, copies, and their counters (lane 1). `nblocks`: int32 [B], the drafts'
         logical blocks."""
         g, b = len(layers), len(nblocks)
-        layer_of = self.layer_ids[layers[0]: layers[-1] + 1][:, None].expand(g, b).reshape(-1)
-        rows = self.rows[None, :].expand(g, b).reshape(-1)
+        # fresh contiguous lists: with one request, reshape(-1) of an expanded row list is a stride-0 view,
+        # which kernels indexing rows[i] read past
+        layer_of = self.layer_ids[layers[0]: layers[-1] + 1].repeat_interleave(b)
+        rows = self.rows.repeat(g)
         host_tables = self.host_tables.repeat(g, 1)
         scores = self.combined(torch.cat([self.local_scores(layer, q, self.host_tables, nblocks)
                                           for layer, q in zip(layers, queries)]))  # one collective per group
-        # the one-launch kernel (predict_prefetch) is not used: in the engine it accesses memory out of bounds
-        # (see WorkingSet.fused), so the torch twin runs on the GPU too until that is found
-        plan = predict_prefetch_reference
+        plan = predict_prefetch if self.cuda else predict_prefetch_reference  # one kernel on the GPU
         _, predicted, fetch = plan(scores, nblocks.repeat(g), self.budget_blocks, self.cfg.sink_blocks,
                                    self.cfg.local_blocks, self.fetch_cap_blocks, self.ws.max_blocks + 1,
                                    slot_of=self.ws.slot_of, layer_of=layer_of, rows=rows)

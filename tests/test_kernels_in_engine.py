@@ -1,0 +1,83 @@
+"""The engine's GPU kernel paths, run on the CPU: oasis on a tiny random model with every Triton kernel the
+policies use on CUDA forced in (under TRITON_INTERPRET=1) gives the torch path's tokens and counters.
+
+Unit tests of each kernel feed it well-formed tensors; this drives them with what the engine really passes
+(views, one-request batches, per-row layer lists). It caught a stride-0 row list that the prediction and
+placement kernels read past its end with a single request (an illegal address on the H200); under the
+interpreter an out-of-bounds access is a segfault, so the forced run is run in a subprocess."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+
+import pytest  # noqa: E402
+
+from tests.helpers import write_tiny_config  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COUNTERS = ("kv_selected_blocks", "kv_hits", "kv_misses", "kv_prefetched_blocks", "kv_fetched_blocks",
+            "kv_agree_hits", "kv_agree_total", "kv_max_prefetched_blocks")
+
+RUN = textwrap.dedent('''
+    import json, os, sys
+    os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    torch.set_num_threads(1)
+    from oasiskv.config import CacheConfig, EngineConfig, KVConfig, SamplingParams, SchedulerConfig
+    from oasiskv.engine.engine import LLMEngine
+    tiny, lengths, forced = sys.argv[1], [int(x) for x in sys.argv[2].split(",")], sys.argv[3] == "1"
+    if forced:  # what the policies call on CUDA, in place of the torch twins they call on the CPU
+        import oasiskv.policies.oasis as op, oasiskv.policies.sparse as sp, oasiskv.policies.tiered as tp
+        from oasiskv.kernels import block_select, block_topk, host_gather, residency, sparse_decode, tail_append
+        from oasiskv.kv import summaries, working_set
+        sp.select_blocks_padded = block_topk.select_blocks_fused
+        sp.block_scores_reference = block_select.block_scores
+        sp.sparse_decode_padded_reference = op.sparse_decode_padded_reference = \\
+            sparse_decode.sparse_decode_attention_padded
+        op.predict_prefetch_reference = block_topk.predict_prefetch
+        op.resident_selection_reference = residency.resident_selection
+        tp.append_to_tails_reference = tail_append.append_to_tails
+        tp.gather_host_blocks_reference = lambda host, pool, *copies: host_gather.gather_host_blocks(
+            host, pool, *copies, programs=op.OasisPolicy.PREFETCH_PROGRAMS)
+        ws_init, sum_init = working_set.WorkingSet.__init__, summaries.BlockSummaries.__init__
+        def fused_ws(self, *a, **k):
+            ws_init(self, *a, **{**k, "fused": True})
+        def triton_summaries(self, *a, **k):
+            sum_init(self, *a, **k)
+            self.use_triton = True
+        working_set.WorkingSet.__init__, summaries.BlockSummaries.__init__ = fused_ws, triton_summaries
+    cfg = EngineConfig(model=tiny, load_format="dummy", show_progress=False,
+                       kv=KVConfig(mode="oasis", budget=64, sink_blocks=1, local_blocks=1, fetch_cap=0.5,
+                                   host_kv_gb=0.002),
+                       cache=CacheConfig(kv_cache_gb=0.002), scheduler=SchedulerConfig(max_model_len=1024))
+    engine = LLMEngine(cfg)
+    g = torch.Generator().manual_seed(0)
+    for i, n in enumerate(lengths):
+        engine.add_request(torch.randint(3, 512, (n,), generator=g).tolist(),
+                           SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), request_id=str(i))
+    while engine.has_unfinished():
+        engine.step()
+    print(json.dumps({"tokens": [engine.requests[str(i)].output_token_ids for i in range(len(lengths))],
+                      "stats": engine.stats_dict()}))
+''')
+
+
+def generate(tiny: str, lengths: str, forced: bool) -> dict:
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-c", RUN, tiny, lengths, "1" if forced else "0"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"exit {done.returncode} (-11: segfault, an out-of-bounds access)\n{done.stderr[-3000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("lengths", ["300", "300,90,200"], ids=["one_request", "three_requests"])
+def test_every_gpu_kernel_in_the_engine_gives_the_torch_tokens_and_counters(tmp_path, lengths):
+    tiny = write_tiny_config(tmp_path / "tiny")
+    torch_path, kernels = generate(tiny, lengths, forced=False), generate(tiny, lengths, forced=True)
+    assert kernels["tokens"] == torch_path["tokens"]
+    assert {k: kernels["stats"][k] for k in COUNTERS} == {k: torch_path["stats"][k] for k in COUNTERS}
+    assert torch_path["stats"]["kv_prefetched_blocks"] > 0 and torch_path["stats"]["kv_misses"] > 0
