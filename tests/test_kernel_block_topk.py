@@ -6,8 +6,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 import pytest
 import torch
 
-from oasiskv.config import CacheConfig, EngineConfig, KVConfig, SamplingParams, SchedulerConfig
-from oasiskv.engine.engine import LLMEngine
 from oasiskv.kernels import block_topk
 from oasiskv.kernels.block_select import select_blocks_padded
 from oasiskv.kernels.block_topk import (
@@ -18,9 +16,6 @@ from oasiskv.kernels.block_topk import (
     predict_prefetch_reference,
     select_blocks_fused,
 )
-from oasiskv.policies import oasis as oasis_policy
-from oasiskv.policies import sparse as sparse_policy
-from tests.helpers import write_tiny_config
 
 
 def test_kernels_are_interpreted():
@@ -212,41 +207,4 @@ def test_predict_prefetch_bad_arguments_raise():
         predict_prefetch(scores, nb, 4, 1, 1, 0, 11, resident=resident)
 
 
-# ---------------------------------------------------------------------------------------- in the policies
-def _generate_oasis(tiny: str) -> tuple[list[list[int]], dict]:
-    cfg = EngineConfig(model=tiny, load_format="dummy", show_progress=False,
-                       kv=KVConfig(mode="oasis", budget=64, sink_blocks=1, local_blocks=1, fetch_cap=0.5,
-                                   host_kv_gb=0.002),
-                       cache=CacheConfig(kv_cache_gb=0.002), scheduler=SchedulerConfig(max_model_len=1024))
-    engine = LLMEngine(cfg)
-    g = torch.Generator().manual_seed(0)
-    for i, length in enumerate((150, 90, 200)):
-        engine.add_request(torch.randint(3, 512, (length,), generator=g).tolist(),
-                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), request_id=str(i))
-    while engine.has_unfinished():
-        engine.step()
-    return [engine.requests[str(i)].output_token_ids for i in range(3)], engine.stats_dict()
-
-
-def test_policies_with_the_fused_kernels_match_the_torch_path(tmp_path, monkeypatch, one_torch_thread):
-    """oasis on a tiny random model: selection (SparsePolicy.select) and prediction + prefetch plan
-    (OasisPolicy.predict) through the kernels give the torch path's tokens and counters."""
-    tiny = write_tiny_config(tmp_path / "tiny")
-    tokens, stats = _generate_oasis(tiny)
-    calls = {"select": 0, "predict": 0}
-
-    def counted(name, fn):
-        def wrapper(*args, **kwargs):
-            calls[name] += 1
-            return fn(*args, **kwargs)
-        return wrapper
-
-    monkeypatch.setattr(sparse_policy, "select_blocks_padded", counted("select", select_blocks_fused))
-    monkeypatch.setattr(oasis_policy, "predict_prefetch_reference", counted("predict", predict_prefetch))
-    fused_tokens, fused_stats = _generate_oasis(tiny)
-    assert calls["select"] > 0 and calls["predict"] > 0
-    assert fused_tokens == tokens
-    counters = ("kv_selected_blocks", "kv_hits", "kv_misses", "kv_prefetched_blocks", "kv_agree_hits",
-                "kv_agree_total", "kv_max_prefetched_blocks")
-    assert stats["kv_prefetched_blocks"] > 0
-    assert {k: fused_stats[k] for k in counters} == {k: stats[k] for k in counters}
+# the kernels inside the engine, against the torch path: tests/test_kernels_in_engine.py
