@@ -1,4 +1,5 @@
-"""The fused working-set placement kernel (interpreted) against the torch reference placement: from
+"""The fused working-set placement kernel (interpreted on the CPU; compiled on a GPU machine run with
+TRITON_INTERPRET=0) against the torch reference placement: from
 identical copies of realistic states (built by random reference placements: partly full rows, ties in
 last_used, protected blocks), all three tables and all outputs must be exactly equal."""
 from __future__ import annotations
@@ -17,6 +18,16 @@ from oasiskv.kernels.ws_place import fused_place_runs, place_fused  # noqa: E402
 from oasiskv.kv.working_set import WorkingSet  # noqa: E402
 
 CPU = torch.device("cpu")
+# the fused side runs where the kernel runs: interpreted on the CPU, compiled on a GPU when TRITON_INTERPRET=0
+DEV = torch.device("cuda") if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else CPU
+
+
+def on_dev(*args):
+    return [a.to(DEV) if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def on_cpu(values):
+    return [v.cpu() for v in values]
 TABLES = ("_slot_of", "_block_of", "_last_used")
 
 
@@ -68,7 +79,7 @@ def random_state(layers, rows, width, max_blocks, seed, placements=12, fill=None
 
 
 def twin(ws: WorkingSet) -> WorkingSet:
-    fused = WorkingSet(*ws._slot_of.shape[:2], ws.width, ws.max_blocks, CPU, fused=True)
+    fused = WorkingSet(*ws._slot_of.shape[:2], ws.width, ws.max_blocks, DEV, fused=True)
     for name in TABLES:
         getattr(fused, name).copy_(getattr(ws, name))
     return fused
@@ -77,16 +88,16 @@ def twin(ws: WorkingSet) -> WorkingSet:
 def assert_same_placement(ws, layer, rows, wanted, protect, step):
     fused = twin(ws)
     want = ws.place(layer, rows, wanted.clone(), protect.clone(), step)
-    got = fused.place(layer, rows, wanted, protect, step)
+    got = on_cpu(fused.place(*on_dev(layer, rows, wanted, protect, step)))
     for name, a, b in zip(("miss", "slots"), want, got):
         assert a.dtype == b.dtype and torch.equal(a, b), f"{name} differs:\n{a}\n{b}"
     for name in TABLES:
-        assert torch.equal(getattr(ws, name), getattr(fused, name)), f"{name} differs"
+        assert torch.equal(getattr(ws, name), getattr(fused, name).cpu()), f"{name} differs"
     return want
 
 
-def test_kernel_is_interpreted():
-    assert fused_place_runs(CPU)  # otherwise the fused path cannot run here and nothing is tested
+def test_kernel_runs_here():
+    assert fused_place_runs(DEV)  # otherwise the fused path cannot run here and nothing is tested
 
 
 @pytest.mark.parametrize("kind", ["mixed", "hits", "misses"])
@@ -141,14 +152,14 @@ def test_wide_rows():
 def test_long_sequence_stays_identical():
     g = torch.Generator().manual_seed(12)
     ref = WorkingSet(2, 3, 6, 20, CPU, fused=False)
-    fused = WorkingSet(2, 3, 6, 20, CPU, fused=True)
+    fused = WorkingSet(2, 3, 6, 20, DEV, fused=True)
     for step in range(40):
         layer, rows = step % 2, torch.tensor([2, 0, 1])
         wanted, protect = request(ref, g, layer, rows, int(torch.randint(1, 7, (), generator=g)), "mixed")
         want = ref.place(layer, rows, wanted, protect, step // 2)
-        got = fused.place(layer, rows, wanted, protect, torch.tensor(step // 2))
+        got = on_cpu(fused.place(*on_dev(layer, rows, wanted, protect, torch.tensor(step // 2))))
         assert all(torch.equal(a, b) for a, b in zip(want, got)), step
-        assert all(torch.equal(getattr(ref, n), getattr(fused, n)) for n in TABLES), step
+        assert all(torch.equal(getattr(ref, n), getattr(fused, n).cpu()) for n in TABLES), step
 
 
 @pytest.mark.parametrize("only_shape", ["none", "column", "full"])
@@ -162,9 +173,9 @@ def test_copy_lists(only_shape):
             "full": torch.rand(2, 5, generator=g) < 0.5}[only_shape]
     fused = twin(ws)
     want = ws.place_with_copies(1, rows, wanted, protect, 3, host_tables, only)
-    got = fused.place_with_copies(1, rows, wanted, protect, 3, host_tables, only)
+    got = on_cpu(fused.place_with_copies(*on_dev(1, rows, wanted, protect, 3, host_tables, only)))
     assert all(torch.equal(a, b) for a, b in zip(want, got))
-    assert all(torch.equal(getattr(ws, n), getattr(fused, n)) for n in TABLES)
+    assert all(torch.equal(getattr(ws, n), getattr(fused, n).cpu()) for n in TABLES)
     miss, slots, src, dst = got
     allowed = torch.ones_like(miss) if only is None else only.expand_as(miss)
     for i, j in np.ndindex(*miss.shape):  # brute force: a copy per allowed miss, from its host block
@@ -185,9 +196,9 @@ def test_compiles_for_the_h200():
 
 
 def test_bad_input_is_refused():
-    ws = WorkingSet(2, 2, 4, 10, CPU, fused=True)
-    rows, wanted = torch.tensor([0, 1]), torch.tensor([[1, 2], [3, -1]], dtype=torch.int32)
-    protect = torch.zeros(2, 10, dtype=torch.bool)
+    ws = WorkingSet(2, 2, 4, 10, DEV, fused=True)
+    rows, wanted = on_dev(torch.tensor([0, 1]), torch.tensor([[1, 2], [3, -1]], dtype=torch.int32))
+    protect = torch.zeros(2, 10, dtype=torch.bool, device=DEV)
     with pytest.raises(ValueError, match="wanted must be"):
         ws.place(0, rows, wanted.long(), protect, 1)
     with pytest.raises(ValueError, match="rows must be"):
@@ -195,14 +206,15 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="protect must be"):
         ws.place(0, rows, wanted, protect.int(), 1)
     with pytest.raises(ValueError, match="layer must be"):
-        ws.place(torch.tensor([0, 1], dtype=torch.int32), rows, wanted, protect, 1)
+        ws.place(torch.tensor([0, 1], dtype=torch.int32, device=DEV), rows, wanted, protect, 1)
     with pytest.raises(ValueError, match="layer 2 out of range"):
         ws.place(2, rows, wanted, protect, 1)
     with pytest.raises(ValueError, match="step must be"):
-        ws.place(0, rows, wanted, protect, torch.tensor([1]))
+        ws.place(0, rows, wanted, protect, torch.tensor([1], device=DEV))
     with pytest.raises(ValueError, match="only must be"):
         place_fused(ws._slot_of, ws._block_of, ws._last_used, 0, rows, wanted, protect, 1,
-                    host_tables=torch.zeros(2, 10, dtype=torch.int32), only=torch.ones(2, 3, dtype=torch.bool))
+                    host_tables=torch.zeros(2, 10, dtype=torch.int32, device=DEV),
+                    only=torch.ones(2, 3, dtype=torch.bool, device=DEV))
     with pytest.raises(ValueError, match="host_tables must be"):
         place_fused(ws._slot_of, ws._block_of, ws._last_used, 0, rows, wanted, protect, 1,
-                    host_tables=torch.zeros(2, 10, dtype=torch.int64))
+                    host_tables=torch.zeros(2, 10, dtype=torch.int64, device=DEV))
