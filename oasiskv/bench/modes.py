@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import sys
+import traceback
 
 import torch
 
@@ -52,6 +54,11 @@ def with_engine(config: EngineConfig, measure):
     try:
         result = measure(engine)
         result_info = {"kv": engine.kv_description, "weights_gb": sig(engine.weights_bytes() / 1e9)}
+    except Exception:
+        # shown before the cleanup: after a device fault, freeing the CUDA cache can kill the process
+        # before the exception is ever printed
+        print(f"error: {config.kv.mode}: the run failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        raise
     finally:
         del engine
         gc.collect()
