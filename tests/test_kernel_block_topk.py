@@ -10,7 +10,6 @@ from oasiskv.kernels import block_topk
 from oasiskv.kernels.block_select import select_blocks_padded
 from oasiskv.kernels.block_topk import (
     blocks_mask,
-    plan_prefetch,
     plan_prefetch_reference,
     predict_prefetch,
     predict_prefetch_reference,
@@ -134,16 +133,15 @@ def _working_set(rows, max_blocks, seed, layers=3):
 
 @pytest.mark.parametrize("cap", [1, 3, 6, 64])
 @pytest.mark.parametrize("ties", [False, True])
-def test_plan_prefetch_picks_the_best_missing_blocks(cap, ties):
+def test_prefetch_list_is_the_best_missing_blocks(cap, ties):
     max_blocks, budget = 60, 16
     nb = _lengths(budget, max_blocks)
     scores = _scores(len(nb), max_blocks, seed=cap + 10 * ties, ties=ties, specials=ties)
-    _, prediction = select_blocks_padded(scores, nb, budget, 1, 2)
     slot_of, layer_of, rows = _working_set(len(nb), max_blocks, seed=cap)
     resident = slot_of[layer_of, rows] >= 0
-    expected = _brute_force_plan(scores, prediction, resident, cap)
     for kwargs in (dict(resident=resident), dict(slot_of=slot_of, layer_of=layer_of, rows=rows)):
-        fetch = plan_prefetch(scores, prediction, cap, **kwargs)
+        prediction, _, fetch = predict_prefetch(scores, nb, budget, 1, 2, cap, max_blocks, **kwargs)
+        expected = _brute_force_plan(scores, prediction, resident, cap)
         assert fetch.dtype == torch.int32 and fetch.shape == (len(nb), min(cap, prediction.shape[1]))
         assert _rows_as_sets(fetch) == expected
         _prefix_then_padding(fetch)
@@ -152,25 +150,23 @@ def test_plan_prefetch_picks_the_best_missing_blocks(cap, ties):
             assert _rows_as_sets(ref) == expected
 
 
-def test_plan_prefetch_bad_arguments_raise():
-    scores = torch.zeros(2, 10)
-    prediction = torch.tensor([[0, 4, -1], [1, 2, 9]], dtype=torch.int32)
+def test_residency_arguments_are_checked():
+    scores, nb = torch.zeros(2, 10), torch.tensor([10, 3], dtype=torch.int32)
     resident = torch.zeros(2, 10, dtype=torch.bool)
     slot_of = torch.zeros(1, 2, 10, dtype=torch.int32)
     rows = torch.arange(2)
     cases = [
-        ((scores, prediction.long(), 2), dict(resident=resident), "prediction must be int32"),
-        ((scores, prediction, 0), dict(resident=resident), "cap must be"),
-        ((scores, prediction + 1, 2), dict(resident=resident), "prediction ids must be < N"),
-        ((scores, prediction, 2), dict(), "give either"),
-        ((scores, prediction, 2), dict(resident=resident, slot_of=slot_of), "give either"),
-        ((scores, prediction, 2), dict(resident=resident.int()), "resident must be bool"),
-        ((scores, prediction, 2), dict(slot_of=slot_of, layer_of=rows[:1], rows=rows), "layer_of must be"),
-        ((scores, prediction, 2), dict(slot_of=slot_of.long(), layer_of=rows, rows=rows), "slot_of must be int32"),
+        (dict(), "give either"),
+        (dict(resident=resident, slot_of=slot_of), "give either"),
+        (dict(resident=resident.int()), "resident must be bool"),
+        (dict(slot_of=slot_of, layer_of=rows[:1], rows=rows), "layer_of must be"),
+        (dict(slot_of=slot_of.long(), layer_of=rows, rows=rows), "slot_of must be int32"),
     ]
-    for args, kwargs, message in cases:
+    for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
-            plan_prefetch(*args, **kwargs)
+            predict_prefetch(scores, nb, 4, 1, 1, 2, 10, **kwargs)
+    with pytest.raises(ValueError, match="prediction must be int32"):
+        plan_prefetch_reference(scores, torch.zeros(2, 3, dtype=torch.int64), 2, resident=resident)
 
 
 # ---------------------------------------------------------------------------------------- both at once
@@ -190,7 +186,6 @@ def test_predict_prefetch_in_one_launch(max_blocks, budget, sink, local, cap):
     expected = _brute_force_plan(scores, prediction, slot_of[layer_of, rows] >= 0, cap)
     assert _rows_as_sets(fetch) == expected
     _prefix_then_padding(fetch)
-    assert torch.equal(fetch, plan_prefetch(scores, prediction, cap, **residency))  # same order too
 
 
 def triton_block(max_blocks):

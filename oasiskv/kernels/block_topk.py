@@ -1,10 +1,9 @@
 """Fused block selection and prefetch planning: one Triton program per row, one launch per call.
 
 :func:`select_blocks_fused` returns exactly what :func:`select_blocks_padded` returns (same rule,
-same tie-break), in one kernel instead of ~15 torch ops. :func:`plan_prefetch` picks, from a
-prediction, the blocks to fetch: the predicted blocks not resident, highest score first, at most
-``cap``. :func:`predict_prefetch` is both in one launch, plus the prediction's bool mask (oasis's
-draft step).
+same tie-break), in one kernel instead of ~15 torch ops. :func:`predict_prefetch` is that selection
+plus, in the same launch, its bool mask and the blocks to fetch: the predicted blocks not resident,
+highest score first, at most ``cap`` (oasis's draft step).
 
 How a row is selected. Each score becomes an integer rank (:func:`_rank_key`: ordered like the fp32
 score; NaN and -inf as the lowest finite score, +inf as the largest finite one, -0 as +0). The
@@ -25,7 +24,7 @@ import triton.language as tl
 
 from oasiskv.kernels.block_select import _check_select_args, _check_select_values, select_blocks_padded
 
-__all__ = ["select_blocks_fused", "plan_prefetch", "plan_prefetch_reference", "predict_prefetch",
+__all__ = ["select_blocks_fused", "plan_prefetch_reference", "predict_prefetch",
            "predict_prefetch_reference", "blocks_mask"]
 
 MAX_BLOCKS = 8192  # blocks per row held in one program's registers (128K tokens at 16 per block)
@@ -121,24 +120,6 @@ def _select_kernel(scores_ptr, s_sc_r, s_sc_j, n_ptr, counts_ptr, out_ptr, s_out
         fetched = tl.minimum(cap, tl.sum(wanted.to(tl.int32), axis=0))
         best = _top_in_order(tl.where(wanted, _rank_key(x), 0), fetched)
         _store_in_order(fetch_ptr + r.to(tl.int64) * s_fetch_r, best, j, fetched, cap, BLOCK_CAP)
-
-
-@triton.jit
-def _plan_kernel(scores_ptr, s_sc_r, s_sc_j, pred_ptr, s_pred_r, s_pred_k, k,
-                 res_ptr, layer_ptr, rows_ptr, s_res_l, s_res_r, s_res_j, fetch_ptr, s_fetch_r, cap,
-                 BLOCK_K: tl.constexpr, BLOCK_CAP: tl.constexpr, INDEXED: tl.constexpr, SLOTS: tl.constexpr):
-    # One program per row of the prediction: its non-resident blocks with the best `cap` scores.
-    r = tl.program_id(0)
-    i = tl.arange(0, BLOCK_K)
-    ids = tl.load(pred_ptr + r.to(tl.int64) * s_pred_r + i * s_pred_k, mask=i < k, other=-1)
-    listed = ids >= 0
-    base = _resident_row(res_ptr, layer_ptr, rows_ptr, r, s_res_l, s_res_r, INDEXED)
-    resident = _is_resident(tl.load(base + ids * s_res_j, mask=listed, other=0), SLOTS)
-    x = tl.load(scores_ptr + r.to(tl.int64) * s_sc_r + ids * s_sc_j, mask=listed, other=float("-inf"))
-    wanted = listed & ~resident & (x.to(tl.float32) > float("-inf"))
-    fetched = tl.minimum(cap, tl.sum(wanted.to(tl.int32), axis=0))
-    best = _top_in_order(tl.where(wanted, _rank_key(x.to(tl.float32)), 0), fetched)
-    _store_in_order(fetch_ptr + r.to(tl.int64) * s_fetch_r, best, ids, fetched, cap, BLOCK_CAP)
 
 
 # ---------------------------------------------------------------------------------------- dispatch
@@ -244,8 +225,10 @@ def _launch_select(scores, n, budget, sink, local, check_values, cap=0, residenc
 # ---------------------------------------------------------------------------------------- prefetch plan
 def plan_prefetch_reference(scores: torch.Tensor, prediction: torch.Tensor, cap: int, *, resident=None,
                             slot_of=None, layer_of=None, rows=None) -> torch.Tensor:
-    """Torch twin of :func:`plan_prefetch` (the code oasis ran before): the same set per row, in
-    descending score order (ties in topk's order)."""
+    """The prefetch list of :func:`predict_prefetch` in torch (the code oasis ran before): per row, the blocks
+    of `prediction` that are not resident, the `cap` best; the same set as the kernel's, in descending score
+    order (ties in topk's order). Residency: `resident` bool [R, N], or `slot_of` read at
+    [layer_of[r], rows[r]]."""
     _check_prediction(scores, prediction, cap)
     _residency(len(scores), scores.device, resident, slot_of, layer_of, rows)
     ids = prediction.clamp(min=0).long()
@@ -253,41 +236,6 @@ def plan_prefetch_reference(scores: torch.Tensor, prediction: torch.Tensor, cap:
     key = torch.where(wanted, scores.float().gather(1, ids), float("-inf"))
     best = key.topk(min(cap, key.shape[1]), dim=1)
     return torch.where(best.values > float("-inf"), prediction.gather(1, best.indices), -1)
-
-
-def plan_prefetch(scores: torch.Tensor, prediction: torch.Tensor, cap: int, *, resident=None, slot_of=None,
-                  layer_of=None, rows=None) -> torch.Tensor:
-    """Blocks to prefetch: per row, the blocks of `prediction` that are not resident, the `cap` best.
-
-    Args:
-        scores: float [R, N], the scores the prediction was selected by.
-        prediction: int32 [R, K] logical block ids (< N), -1 = none, distinct within a row.
-        cap: most blocks per row (>= 1).
-        resident: bool [R, N], or instead `slot_of` int32 [layers, rows, >= N] (-1 = not resident,
-            `WorkingSet.slot_of`) read at [layer_of[r], rows[r]] (integer [R] each): no gather copy.
-
-    Returns:
-        int32 [R, min(cap, K)]: ids with the highest scores (NaN and -inf never; equal scores -> the
-        earlier entry of the row, i.e. the lower id for ascending rows), in the row's order, then -1.
-        The torch path (:func:`plan_prefetch_reference`) gives the same set in score order.
-    """
-    _check_prediction(scores, prediction, cap)
-    residency = _residency(len(scores), scores.device, resident, slot_of, layer_of, rows)
-    r, k = prediction.shape
-    width = min(cap, k)
-    if not _fits(scores.device, scores.shape[1], k) or r == 0 or k == 0:
-        return plan_prefetch_reference(scores, prediction, cap, resident=resident, slot_of=slot_of,
-                                       layer_of=layer_of, rows=rows)
-    fetch = torch.empty(r, width, dtype=torch.int32, device=scores.device)
-    table, layer_of, rows, strides, indexed, slots = residency
-    block_k = triton.next_power_of_2(k)
-    _plan_kernel[(r,)](
-        scores, scores.stride(0), scores.stride(1), prediction, prediction.stride(0), prediction.stride(1), k,
-        table, layer_of, rows, *strides, fetch, fetch.stride(0), width,
-        BLOCK_K=block_k, BLOCK_CAP=triton.next_power_of_2(width), INDEXED=indexed, SLOTS=slots,
-        num_warps=_warps(block_k),
-    )
-    return fetch
 
 
 # ---------------------------------------------------------------------------------------- both at once
@@ -311,7 +259,7 @@ def predict_prefetch(scores: torch.Tensor, num_blocks_per_seq: torch.Tensor, bud
                      slot_of=None, layer_of=None, rows=None, check_values: bool | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One launch for oasis's draft: the selection (:func:`select_blocks_fused`), its bool mask
-    (bool [R, mask_width], mask_width >= N) and its prefetch list (:func:`plan_prefetch`).
+    (bool [R, mask_width], mask_width >= N) and its prefetch list (:func:`plan_prefetch_reference` in torch).
     Returns (prediction int32 [R, K], mask, fetch int32 [R, min(cap, K)])."""
     _check_select_args(scores, num_blocks_per_seq, budget_blocks, sink_blocks, local_blocks)
     rows_of, max_blocks = scores.shape

@@ -196,6 +196,8 @@ def _check_inputs(q, kv_layer, block_tables, sel_indptr, sel_indices, seq_lens, 
         ("sel_indices", sel_indices, None),
         ("seq_lens", seq_lens, (B,)),
     ):
+        if t is None:  # no indptr: the padded form
+            continue
         if t.dtype != torch.int32:
             raise ValueError(f"{name} must be int32, got {t.dtype}")
         if t.device != q.device:
@@ -270,8 +272,7 @@ def sparse_decode_attention_padded(
     if not _use_triton(q):
         result = sparse_decode_padded_reference(q, kv_layer, block_tables, selection, seq_lens, scale)
         return result if out is None else out.copy_(result)
-    # the shape check of the CSR form, with a stand-in indptr of the right shape and dtype
-    _check_inputs(q, kv_layer, block_tables, seq_lens.new_empty(b + 1), flat, seq_lens, out)
+    _check_inputs(q, kv_layer, block_tables, None, flat, seq_lens, out)
     return _launch(q, kv_layer, block_tables, k, flat, seq_lens, scale, out, padded=True, **tuning)
 
 

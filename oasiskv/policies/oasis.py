@@ -186,40 +186,25 @@ class OasisPolicy(TieredPolicy):
     def resident_selection(self, layer, q, dense) -> torch.Tensor:
         """x_t's selection restricted to what is resident once cold-start (and, with the "fetch"
         policy, all) misses are fetched: int32 [B, K], -1 where a selected block is left out."""
-        if dense:
-            selection = self.rows_now.every_block
+        if dense:  # every block; no prediction is made for dense layers, so no agreement either
+            selection, judged = self.rows_now.every_block, torch.zeros_like(self.fresh)
         else:
             with self.timer("select"):
                 _, selection = self.select(layer, q, self.meta.decode_block_tables)
-            if not (self.cfg.miss_policy == "fetch" or self.any_cold):  # nothing to fetch: misses are left out
-                check = resident_selection if self.cuda else resident_selection_reference
-                return check(selection, self.ws._slot_of, self.predicted, self.rows, self.fresh, self.row_counts[0],
-                             self.layer_counts[0], self.residency_counters, layer)
-        valid = selection >= 0
-        resident = self.ws.table(layer, self.rows, self.host_tables.shape[1]).gather(
-            1, selection.clamp(min=0).long()) >= 0
-        missing = valid & ~resident
-        self.count("selected_blocks", valid)
-        self.count("hits", valid & resident)
-        self.count("misses", missing)
-        if not dense:
-            self.count_agreement(layer, selection, valid)
+            judged = self.fresh
+        check = resident_selection if self.cuda else resident_selection_reference  # + selected/hit/miss/agreement
+        resident = check(selection, self.ws._slot_of, self.predicted, self.rows, judged, self.row_counts[0],
+                         self.layer_counts[0], self.residency_counters, layer)
         fetch_all = dense or self.cfg.miss_policy == "fetch"
+        if not (fetch_all or self.any_cold):  # nothing to fetch: misses are left out
+            return resident
         fetch_rows = torch.ones_like(self.cold) if fetch_all else self.cold
-        need = torch.where(missing & fetch_rows[:, None], selection, -1)
+        need = torch.where((selection >= 0) & (resident < 0) & fetch_rows[:, None], selection, -1)
         with self.timer("gather"):
             fetched, _ = self.fetch(layer, need, self.mask_of(selection))
         self.count("cold_fetched_blocks", fetched & self.cold[:, None])
         self.count("miss_fetched_blocks", fetched & ~self.cold[:, None])
-        return torch.where(valid & (resident | fetched), selection, -1)
-
-    def count_agreement(self, layer, selection, valid) -> None:
-        """Share of this selection that last step's prediction contained (rows that made one)."""
-        predicted = self.predicted[layer, self.rows].gather(1, selection.clamp(min=0).long())
-        judged = valid & self.fresh[:, None]
-        hits = judged & predicted
-        self.count("agree_hits", hits)
-        self.count("agree_total", judged)
+        return torch.where((resident >= 0) | fetched, selection, -1)
 
     def derive_rows(self) -> DraftRows:
         rows = super().derive_rows()
