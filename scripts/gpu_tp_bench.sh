@@ -7,6 +7,8 @@
 # Each run is its own process so one failure does not hide the others. Override TP/MODEL/CTX/OUTLEN/
 # BATCHES/OUT for a dry run (e.g. TP=2 CTX=2048 MODEL=qwen3-0.6b on any two GPUs). Decode steps replay CUDA
 # graphs that contain the NCCL collectives; if capture fails there, rerun with EXTRA=--enforce-eager.
+# Output is line-buffered so a killed run still shows how far it got. The check is bounded by CHECK_S;
+# for stack dumps of a hang, run with PYTHONPATH=scripts/hang_dump:. OASIS_HANG_S=<seconds>.
 # Parts (one device call of under 10 minutes each): `gpu_tp_bench.sh check`, `... collectives`,
 # `... dense`, `... oasis`; no argument runs all four.
 set -u
@@ -21,7 +23,7 @@ nvidia-smi topo -m 2>/dev/null | head -5
 
 if part check; then
   echo "== 1. equality (fp32, NCCL)"
-  $PY scripts/gpu_tp_check.py --tp "$TP" 2>&1 | grep -v "it/s\]"
+  timeout -k 10 ${CHECK_S:-400} $PY scripts/gpu_tp_check.py --tp "$TP" 2>&1 | grep --line-buffered -v "it/s\]"
 fi
 
 if part collectives; then
@@ -30,7 +32,7 @@ if part collectives; then
 fi
 
 bench() { $PY -m oasiskv.cli bench throughput --model "$MODEL" --load-format dummy --input-len "$CTX" \
-  --output-len "$OUTLEN" --max-num-batched-tokens "$CTX" $EXTRA "$@" 2>&1 | grep -v "it/s\]" ; }
+  --output-len "$OUTLEN" --max-num-batched-tokens "$CTX" $EXTRA "$@" 2>&1 | grep --line-buffered -v "it/s\]" ; }
 echo "== 3. throughput at $CTX tokens"
 if part dense; then
   bench --tensor-parallel-size "$TP" --kv-mode dense --batch-sizes "$BATCHES" --out "$OUT/dense_tp${TP}.json"

@@ -28,6 +28,7 @@ from oasiskv.engine.engine import LLMEngine  # noqa: E402
 def tiny_case(mode: str, tp: int) -> bool:
     model = {"num_key_value_heads": 1} if mode == "quest" else {}
     with tempfile.TemporaryDirectory() as d:
+        print(f"tiny qwen3 {mode:6s}: one process, then tp{tp} ...", flush=True)
         want = drive(engine(Path(d), mode, 1, **model))
         t0 = time.perf_counter()
         e = engine(Path(d), mode, tp, **model)

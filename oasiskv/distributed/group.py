@@ -27,6 +27,7 @@ class TensorParallel:
     released: list[str] = field(default_factory=list)  # rank 0: requests released since the last plan
     shutdown: object = None  # rank 0: stops the workers (idempotent); set by launch
     procs: list = field(default_factory=list)  # rank 0: the spawned ranks' processes
+    before_leave: list = field(default_factory=list)  # callables run before leaving the group (graph release)
     combiner: object = None  # the sparse policy's ScoreCombiner, for its statistics
     plans_sent: int = 0
     plan_seconds: float = 0.0  # rank 0: pickling and broadcasting step plans
@@ -91,14 +92,21 @@ def join_group(rank: int, world: int, init_file: str, device_type: str) -> Tenso
         device = torch.device("cpu")
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=COLLECTIVE_TIMEOUT)
+                            timeout=COLLECTIVE_TIMEOUT, device_id=device if device.type == "cuda" else None)
     tp = TensorParallel(rank, world, device, dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT))
     _current = weakref.ref(tp)
     return tp
 
 
-def leave_group() -> None:
+def leave_group(abort: bool = False) -> None:
+    """Leaves the group. `abort`: a peer is gone, so NCCL's communicators are aborted first (their
+    orderly teardown would wait for it)."""
     global _current
     _current = None
+    if not dist.is_initialized():
+        return
+    aborter = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort and aborter is not None and dist.get_backend() == "nccl":
+        aborter()
     if dist.is_initialized():
         dist.destroy_process_group()

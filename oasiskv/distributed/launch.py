@@ -60,7 +60,7 @@ def start_tensor_parallel(config: EngineConfig, device_type: str) -> TensorParal
     except BaseException:
         stop_workers(None, procs, rendezvous)
         raise
-    tp.shutdown = weakref.finalize(tp, stop_workers, tp.cpu_group, procs, rendezvous)
+    tp.shutdown = weakref.finalize(tp, stop_workers, tp.cpu_group, procs, rendezvous, tp.before_leave)
     tp.procs = procs
     return tp
 
@@ -81,14 +81,22 @@ def wait_started(procs: list, signals: list) -> None:
                                    "guard its entry point with `if __name__ == \"__main__\":`)") from None
 
 
-def stop_workers(cpu_group, procs: list, rendezvous: str) -> None:
-    if cpu_group is not None and any(p.is_alive() for p in procs):
+def stop_workers(cpu_group, procs: list, rendezvous: str, before_leave: list = ()) -> None:
+    stopped = False
+    if cpu_group is not None and all(p.is_alive() for p in procs):
         try:
             import torch.distributed as dist
 
             dist.broadcast_object_list([None], src=0, group=cpu_group)
+            stopped = True
         except Exception:  # a rank already gone: the others are terminated below
             pass
+    if cpu_group is not None:
+        # NCCL's teardown waits for every rank: leave while the ranks leave too (before joining them),
+        # and abort instead when a rank is gone, since a destroy would wait for it forever
+        for release in before_leave if stopped else ():
+            release()
+        leave_group(abort=not stopped)
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()) if cpu_group is not None else 0.0)
@@ -96,8 +104,6 @@ def stop_workers(cpu_group, procs: list, rendezvous: str) -> None:
         if p.is_alive():
             p.terminate()
             p.join(JOIN_TIMEOUT_S)
-    if cpu_group is not None:
-        leave_group()
     shutil.rmtree(rendezvous, ignore_errors=True)
 
 
@@ -114,6 +120,8 @@ def run_rank(config: EngineConfig, rank: int, world: int, init_file: str, device
 
         engine = LLMEngine(config.replace(show_progress=False))  # rank 0 shows the progress
         run_plans(engine, tp)
+        for release in tp.before_leave:
+            release()
     except Exception:
         traceback.print_exc()
         os._exit(1)  # the peers see the connection close

@@ -47,6 +47,15 @@ class DecodeGraphs:
         self.seen: set[tuple] = set()
         self.counts = {"cuda_graph_replays": 0, "cuda_graph_captures": 0}
 
+    def release(self) -> None:
+        """Frees every captured graph. A tensor-parallel rank must do this before leaving its group:
+        NCCL's teardown hangs while graphs that captured its kernels exist (pytorch/pytorch#115388)."""
+        torch.cuda.synchronize()
+        for step in self.graphs.values():
+            step.graph.reset()
+        self.graphs.clear()
+        self.seen.clear()
+
     def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
             capture_layers: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         """Runs the step's forward pass from a graph: (logits of the decode rows, captured states), or

@@ -90,6 +90,8 @@ class LLMEngine:
         sched_cfg = dataclasses.replace(config.scheduler, max_num_seqs=kv.max_running)
         self.scheduler = Scheduler(sched_cfg, self.allocator, self.block_size, self.max_model_len)
         graphs = DecodeGraphs(self.model, self.policy) if use_graphs else None
+        if graphs is not None and self.tp:
+            self.tp.before_leave.append(graphs.release)
         self.runner = ModelRunner(self.model, self.policy, self.block_size, self.device, graphs,
                                   max_blocks=-(-self.max_model_len // self.block_size))
         self.drafter = None  # oasis mode: guesses each request's next token for the lookahead
