@@ -41,6 +41,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--sink-blocks", type=int, default=KV_DEFAULTS.sink_blocks)
     k.add_argument("--local-blocks", type=int, default=KV_DEFAULTS.local_blocks, help="counted inside the budget")
     k.add_argument("--dense-layers", type=int, default=KV_DEFAULTS.dense_layers, help="first N layers stay dense")
+    k.add_argument("--working-set", type=int, default=KV_DEFAULTS.working_set,
+                   help="retrieval/oasis: KV tokens per request per layer kept on the GPU (default: --kv-budget); "
+                        "more keeps recently used blocks resident, so fewer selected blocks miss")
     k.add_argument("--host-kv-gb", type=float, default=KV_DEFAULTS.host_kv_gb,
                    help="host store size (default: what the machine can spare)")
     o = p.add_argument_group("oasis lookahead (--kv-mode oasis)")
@@ -81,6 +84,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     draft, draft_model = draft_args(args)
     kv = KVConfig(mode=args.kv_mode, budget=args.kv_budget, sink_blocks=args.sink_blocks,
                   local_blocks=args.local_blocks, dense_layers=args.dense_layers, host_kv_gb=args.host_kv_gb,
+                  working_set=args.working_set,
                   fetch_cap=args.fetch_cap, draft=draft, draft_model=draft_model, miss_policy=args.miss_policy)
     return EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
                         seed=args.seed, tensor_parallel_size=args.tensor_parallel_size, cache=cache, kv=kv,

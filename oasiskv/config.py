@@ -102,6 +102,9 @@ class KVConfig:
     local_blocks: int = 4
     dense_layers: int = 0  # the first N layers attend densely (quest mode)
     host_kv_gb: float | None = None  # host store size; default: what the machine can spare
+    # retrieval, oasis: tokens per request per layer resident on the GPU (default: the budget). Room beyond
+    # the budget keeps recently used blocks, so fewer selected blocks miss; attention still reads the budget
+    working_set: int | None = None
     # oasis mode: a draft token runs beside each decode token; its selection is prefetched for the next step
     fetch_cap: float = 0.05  # at most fetch_cap x budget tokens prefetched per request per layer per step
     draft: str = "ngram"  # ngram | repeat | eagle3 (needs draft_model)
@@ -120,10 +123,24 @@ class KVConfig:
                              f"of {self.budget // block_size} blocks")
         if not 0 <= self.dense_layers <= num_layers:
             raise ValueError(f"--dense-layers must be in [0, {num_layers}], got {self.dense_layers}")
+        if self.working_set is not None:
+            self.validate_working_set(block_size)
         if self.dense_layers and self.offloaded:
             raise ValueError(f"--dense-layers is supported in quest mode only ({self.mode} keeps no full KV on the GPU)")
         if self.mode == "oasis":
             self.validate_lookahead(block_size)
+
+    def validate_working_set(self, block_size: int) -> None:
+        if not self.offloaded:
+            raise ValueError(f"--working-set applies to the retrieval and oasis modes (--kv-mode {self.mode} keeps "
+                             "the full KV on the GPU)")
+        if self.working_set % block_size or self.working_set < self.budget:
+            raise ValueError(f"--working-set must be a multiple of the block size {block_size} and at least "
+                             f"--kv-budget ({self.budget}), got {self.working_set}")
+
+    @property
+    def working_set_tokens(self) -> int:
+        return self.budget if self.working_set is None else self.working_set
 
     def validate_lookahead(self, block_size: int) -> None:
         if not 0 < self.fetch_cap <= 1:

@@ -71,6 +71,8 @@ def variant_config(base: EngineConfig, v: Variant) -> EngineConfig:
     if missing:
         raise ValueError(f"this engine's KVConfig has no field {missing[0]!r} (mode {v.mode} not available yet?)")
     kv = dataclasses.replace(base.kv, **changes)
+    if not kv.offloaded:  # --working-set sizes the host modes' GPU residency; the others hold everything
+        kv = dataclasses.replace(kv, working_set=None)
     kv.validate(base.cache.block_size, 10 ** 9)
     return base.replace(kv=kv)
 

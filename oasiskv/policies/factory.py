@@ -57,7 +57,7 @@ def build_retrieval(model_cfg, cache, kv, gpu_kv_blocks, max_model_len, max_num_
     ids handed out (a decode instance keeps only part of each request's KV: disagg/local.py)."""
     bs, per_block = cache.block_size, bytes_per_block(model_cfg, cache.block_size, dtype)
     host_blocks = host_block_count(cache, kv, per_block, device)
-    width = kv.budget // bs + (kv.mode == "oasis")  # oasis: room for the block a draft token opens
+    width = kv.working_set_tokens // bs + (kv.mode == "oasis")  # oasis: room for the block a draft token opens
     summary_blocks = -(-host_blocks // bs)  # summaries cost 1/block_size of the KV they describe
     rows = min(max_num_seqs, (gpu_kv_blocks - summary_blocks) // width)
     if rows < 1:
