@@ -113,12 +113,15 @@ def check(args) -> bool:
 def time_steps(args) -> list[dict]:
     rows = []
     prompts = prompts_for(args.time_batch, args.time_context, stride=0)
-    variants = [(mode, eager, group, programs) for mode in args.time_modes.split(",")
+    host_modes = ("oasis", "retrieval")
+    variants = [(mode, eager, group, programs, ws) for mode in args.time_modes.split(",")
                 for eager in ((False, True) if args.time_eager else (False,))
                 for group in ([int(g) for g in args.predict_groups.split(",")] if mode == "oasis" else [None])
-                for programs in ([int(p) for p in args.prefetch_programs.split(",")] if mode == "oasis" else [None])]
-    for mode, eager, group, programs in variants:
+                for programs in ([int(p) for p in args.prefetch_programs.split(",")] if mode == "oasis" else [None])
+                for ws in ([int(w) or None for w in args.working_sets.split(",")] if mode in host_modes else [None])]
+    for mode, eager, group, programs, ws in variants:
         kv = {"fetch_cap": args.fetch_cap} if mode == "oasis" else {}
+        kv.update({"working_set": ws} if ws else {})
         if group:
             OasisPolicy.PREDICT_GROUP = group
         if programs is not None:
@@ -142,6 +145,7 @@ def time_steps(args) -> list[dict]:
         ms = (time.perf_counter() - t) / n * 1000
         st = engine.stats_dict()
         row = {"mode": mode, "cuda_graphs": not eager, "predict_group": group, "prefetch_programs": programs,
+               "working_set": ws,
                "batch": args.time_batch,
                "context": args.time_context,
                "ms_per_step": round(ms, 2), "tok_per_s": round(args.time_batch / ms * 1000, 1),
@@ -175,6 +179,8 @@ def main() -> None:
     p.add_argument("--predict-groups", default="6", help="oasis: layers predicted together, one timing run each")
     p.add_argument("--prefetch-programs", default="16", help="oasis: GPU programs of the prefetch copy (0: one "
                    "per block), one timing run each")
+    p.add_argument("--working-sets", default="0", help="retrieval/oasis: --working-set values in tokens (0: the "
+                   "budget), one timing run each")
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--check-modes", default="dense,quest,retrieval,oasis")
     p.add_argument("--json", default=None)

@@ -39,7 +39,10 @@ def parse_modes(text: str) -> list[str]:
 
 
 def mode_config(config: EngineConfig, mode: str, **kv_changes) -> EngineConfig:
-    return config.replace(kv=dataclasses.replace(config.kv, mode=mode, **kv_changes))
+    kv = dataclasses.replace(config.kv, mode=mode, **kv_changes)
+    if not kv.offloaded:  # --working-set sizes the host modes' GPU residency; the others hold everything
+        kv = dataclasses.replace(kv, working_set=None)
+    return config.replace(kv=kv)
 
 
 def with_engine(config: EngineConfig, measure):
