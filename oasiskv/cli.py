@@ -111,11 +111,23 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         raise SystemExit(f"error: {e}")
 
 
+def checked_engine_config(args: argparse.Namespace) -> EngineConfig:
+    """engine_config, with the KV flags checked before any weights load (a bad flag should not cost
+    minutes of loading). The layer count is not known yet: --dense-layers is checked at build."""
+    config = engine_config(args)
+    try:
+        config.kv.validate(config.cache.block_size, num_layers=sys.maxsize)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+    return config
+
+
 def build_llm(args):
     from oasiskv.api import LLM
 
+    config = checked_engine_config(args)
     try:
-        return LLM.from_config(engine_config(args))
+        return LLM.from_config(config)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}")
 

@@ -118,3 +118,19 @@ def test_dummy_model_is_reproducible():
         assert r.returncode == 0, r.stderr[-2000:]
     a, b = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
     assert a["token_ids"] == b["token_ids"] and len(a["token_ids"]) == 4
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--kv-mode", "quest", "--working-set", "4096"], "--working-set applies to the retrieval and oasis modes"),
+    (["--kv-mode", "oasis", "--fetch-cap", "2"], "--fetch-cap must be in"),
+])
+def test_cli_rejects_bad_kv_flags_before_loading_weights(flags, message, monkeypatch, capsys):
+    from oasiskv import cli
+    from oasiskv.engine import engine
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("weights were loaded before the flags were checked")
+
+    monkeypatch.setattr(engine, "load_model", no_loading)
+    with pytest.raises(SystemExit, match=message):
+        cli.main(["generate", "--prompt", "x", *flags])

@@ -203,10 +203,10 @@ def serve(args) -> None:
     """`oasiskv serve`: builds the engine from the engine flags and serves it."""
     import uvicorn
 
-    from oasiskv.cli import disagg_config, engine_config
+    from oasiskv.cli import checked_engine_config, disagg_config
     from oasiskv.disagg.server import build_engine
 
-    engine, role = build_engine(engine_config(args), disagg_config(args))
+    engine, role = build_engine(checked_engine_config(args), disagg_config(args))
     app = build_app(engine, args.served_model_name, role)
     print(f"oasiskv: serving {app.state.server.model_name} ({engine.kv_description}) on "
           f"http://{args.host}:{args.port}", flush=True)
