@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import time
+import weakref
 
 import pytest
 import torch
@@ -151,3 +152,30 @@ def test_a_dead_rank_fails_the_next_step_at_once_and_close_returns(tmp_path):
         e.step()
     e.close()
     assert time.monotonic() - t0 < 10
+
+
+class ReleaseProbe:
+    def __init__(self, owner=None):
+        self.calls, self.owner = 0, owner  # the engine's graphs hold its model and policy, and through them the group
+
+    def release(self):
+        self.calls += 1
+
+
+def test_release_hooks_run_before_leaving_and_never_keep_the_engine_alive(tmp_path):
+    """On the GPU the engine's CUDA graphs are freed through this hook before NCCL's teardown, which
+    hangs while they exist. The hook is held weakly: a dropped engine still stops its ranks."""
+    closed = engine(tmp_path, "dense", 2)
+    probe = ReleaseProbe()
+    closed.tp.before_leave.append(weakref.WeakMethod(probe.release))
+    procs = closed.tp.procs
+    closed.close()
+    assert probe.calls == 1 and workers_exit(procs)
+
+    dropped = engine(tmp_path, "dense", 2)
+    dropped.probe = ReleaseProbe(owner=dropped)  # lives and dies with the engine, as the engine's graphs do
+    dropped.tp.before_leave.append(weakref.WeakMethod(dropped.probe.release))
+    procs = dropped.tp.procs
+    del dropped
+    gc.collect()
+    assert workers_exit(procs)

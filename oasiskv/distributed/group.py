@@ -27,7 +27,9 @@ class TensorParallel:
     released: list[str] = field(default_factory=list)  # rank 0: requests released since the last plan
     shutdown: object = None  # rank 0: stops the workers (idempotent); set by launch
     procs: list = field(default_factory=list)  # rank 0: the spawned ranks' processes
-    before_leave: list = field(default_factory=list)  # callables run before leaving the group (graph release)
+    # weak references to callables run before leaving the group (graph release); weak, so that a hook
+    # never keeps the engine, and with it this group, alive
+    before_leave: list = field(default_factory=list)
     combiner: object = None  # the sparse policy's ScoreCombiner, for its statistics
     plans_sent: int = 0
     plan_seconds: float = 0.0  # rank 0: pickling and broadcasting step plans
@@ -96,6 +98,14 @@ def join_group(rank: int, world: int, init_file: str, device_type: str) -> Tenso
     tp = TensorParallel(rank, world, device, dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT))
     _current = weakref.ref(tp)
     return tp
+
+
+def run_before_leave(hooks: list) -> None:
+    """Calls the hooks whose objects are still alive (a freed object has nothing left to release)."""
+    for ref in hooks:
+        hook = ref()
+        if hook is not None:
+            hook()
 
 
 def leave_group(abort: bool = False) -> None:

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from multiprocessing import connection as mp_connection
 
 from oasiskv.config import EngineConfig
-from oasiskv.distributed.group import TensorParallel, current, join_group, leave_group
+from oasiskv.distributed.group import TensorParallel, current, join_group, leave_group, run_before_leave
 
 JOIN_TIMEOUT_S = 10.0
 
@@ -94,8 +94,8 @@ def stop_workers(cpu_group, procs: list, rendezvous: str, before_leave: list = (
     if cpu_group is not None:
         # NCCL's teardown waits for every rank: leave while the ranks leave too (before joining them),
         # and abort instead when a rank is gone, since a destroy would wait for it forever
-        for release in before_leave if stopped else ():
-            release()
+        if stopped:
+            run_before_leave(before_leave)
         leave_group(abort=not stopped)
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     for p in procs:
@@ -120,8 +120,7 @@ def run_rank(config: EngineConfig, rank: int, world: int, init_file: str, device
 
         engine = LLMEngine(config.replace(show_progress=False))  # rank 0 shows the progress
         run_plans(engine, tp)
-        for release in tp.before_leave:
-            release()
+        run_before_leave(tp.before_leave)
     except Exception:
         traceback.print_exc()
         os._exit(1)  # the peers see the connection close

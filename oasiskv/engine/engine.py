@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -91,7 +92,7 @@ class LLMEngine:
         self.scheduler = Scheduler(sched_cfg, self.allocator, self.block_size, self.max_model_len)
         graphs = DecodeGraphs(self.model, self.policy) if use_graphs else None
         if graphs is not None and self.tp:
-            self.tp.before_leave.append(graphs.release)
+            self.tp.before_leave.append(weakref.WeakMethod(graphs.release))
         self.runner = ModelRunner(self.model, self.policy, self.block_size, self.device, graphs,
                                   max_blocks=-(-self.max_model_len // self.block_size))
         self.drafter = None  # oasis mode: guesses each request's next token for the lookahead
