@@ -5,7 +5,7 @@ Texts every Python install has: the language reference prose of pydoc_data/topic
 of the standard library's own modules. Prompts are the first CONTEXT tokens; the model continues.
 
     PYTHONPATH=. python scripts/agreement.py --contexts 4096,8192 --drafts ngram,repeat[,eagle3 --draft-model DIR]
-        [--budget 2048] [--fetch-cap 0.05] [--steps 128] [--json FILE]
+        [--budget 2048] [--fetch-cap 0.05] [--working-set TOKENS] [--steps 128] [--json FILE]
 """
 from __future__ import annotations
 
@@ -33,13 +33,14 @@ def long_texts() -> dict[str, str]:
 
 def measure(args, draft: str, context: int, prompts: dict[str, list[int]]) -> dict:
     llm = LLM(args.model, show_progress=False, kv_mode="oasis", kv_budget=args.budget, fetch_cap=args.fetch_cap,
-              draft=draft, draft_model=args.draft_model if draft == "eagle3" else None,
+              draft=draft, draft_model=args.draft_model if draft == "eagle3" else None, working_set=args.working_set,
               max_model_len=context + args.steps + 16, max_num_batched_tokens=8192)
     t = time.perf_counter()
     llm.generate(list(prompts.values()),
                  SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True), use_tqdm=False)
     stats = llm.engine.stats_dict()
     row = {"draft": draft, "context": context, "budget": args.budget, "fetch_cap": args.fetch_cap,
+           "working_set": args.working_set or args.budget,
            "steps": args.steps, "texts": list(prompts), "seconds": round(time.perf_counter() - t, 1)}
     for key in ("kv_agreement", "kv_agreement_per_layer", "kv_hit_rate", "kv_misses", "kv_selected_blocks",
                 "kv_prefetch_bytes_per_step"):
@@ -57,6 +58,8 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=2048)
     p.add_argument("--fetch-cap", type=float, default=0.05)
     p.add_argument("--steps", type=int, default=128)
+    p.add_argument("--working-set", type=int, default=None, help="GPU-resident tokens per request per layer "
+                   "(default: the budget)")
     p.add_argument("--json", default="results/agreement.json")
     args = p.parse_args()
     tokenizer = LLM(args.model, show_progress=False, kv_cache_gb=0.05).tokenizer
