@@ -138,6 +138,12 @@ class KVConfig:
             raise ValueError(f"--working-set must be a multiple of the block size {block_size} and at least "
                              f"--kv-budget ({self.budget}), got {self.working_set}")
 
+    def for_mode(self, mode: str, **changes) -> "KVConfig":
+        """This configuration for another mode (bench and eval run several from one set of flags):
+        --working-set stays with the host modes and is dropped for those that hold everything on the GPU."""
+        kv = dataclasses.replace(self, mode=mode, **changes)
+        return kv if kv.offloaded else dataclasses.replace(kv, working_set=None)
+
     @property
     def working_set_tokens(self) -> int:
         return self.budget if self.working_set is None else self.working_set

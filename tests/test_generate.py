@@ -124,7 +124,7 @@ def test_dummy_model_is_reproducible():
     (["--kv-mode", "quest", "--working-set", "4096"], "--working-set applies to the retrieval and oasis modes"),
     (["--kv-mode", "oasis", "--fetch-cap", "2"], "--fetch-cap must be in"),
 ])
-def test_cli_rejects_bad_kv_flags_before_loading_weights(flags, message, monkeypatch, capsys):
+def test_cli_rejects_bad_kv_flags_before_loading_weights(flags, message, monkeypatch):
     from oasiskv import cli
     from oasiskv.engine import engine
 

@@ -119,13 +119,13 @@ def test_shipped_eagle3_head_guesses_the_next_token():
     assert len(judged) > 60 and acceptance > 0.3, acceptance  # trained: 0.46 top-1 on held-out chats
 
 
-def tiny_engine(tmp_path, **kv) -> LLMEngine:
+def tiny_engine(tmp_path, mode: str = "oasis", **kv) -> LLMEngine:
     config = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
               "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "tie_word_embeddings": True}
     (tmp_path / "config.json").write_text(json.dumps(config))
     cfg = EngineConfig(model=str(tmp_path), load_format="dummy", show_progress=False, seed=3,
-                       kv=KVConfig(mode="oasis", budget=64, sink_blocks=1, local_blocks=1, host_kv_gb=0.01, **kv),
+                       kv=KVConfig(mode=mode, budget=64, sink_blocks=1, local_blocks=1, host_kv_gb=0.01, **kv),
                        cache=CacheConfig(kv_cache_gb=0.05), scheduler=SchedulerConfig(max_num_batched_tokens=512))
     return LLMEngine(cfg)
 

@@ -3,28 +3,17 @@ blocks resident that a later step selects again, so they are not fetched twice; 
 (retrieval fetches every miss, so it always equals quest)."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from oasiskv.config import CacheConfig, EngineConfig, KVConfig, SamplingParams, SchedulerConfig
+from oasiskv.config import KVConfig, SamplingParams
 from oasiskv.engine.engine import LLMEngine
+
+from tests.test_oasis import tiny_engine as engine  # a 3-layer random model, budget 64 (4 blocks)
 
 PROMPT_LENS = (150, 190, 230)
 MAX_TOKENS = 60
 
-
-def engine(tmp_path, mode: str, **kv) -> LLMEngine:
-    config = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
-              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "tie_word_embeddings": True}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    host = {"host_kv_gb": 0.01} if mode != "quest" else {}
-    cfg = EngineConfig(model=str(tmp_path), load_format="dummy", show_progress=False, seed=3,
-                       kv=KVConfig(mode=mode, budget=64, sink_blocks=1, local_blocks=1, **host, **kv),
-                       cache=CacheConfig(kv_cache_gb=0.05), scheduler=SchedulerConfig(max_num_batched_tokens=512))
-    return LLMEngine(cfg)
 
 
 def run(e: LLMEngine) -> dict[str, list[int]]:
@@ -42,7 +31,7 @@ def test_retrieval_with_the_whole_context_resident_fetches_each_block_once(tmp_p
     quest = run(engine(tmp_path, "quest"))
     tight = engine(tmp_path, "retrieval")
     assert run(tight) == quest
-    roomy = engine(tmp_path, "retrieval", working_set=320)  # 20 blocks >= every request's 18 at most
+    roomy = engine(tmp_path, "retrieval", working_set=320)  # 20 blocks >= the 19 of the longest request
     assert run(roomy) == quest
     layers = roomy.model_config.num_layers
     # the brute-force bound: a block of a request and layer is fetched at most once (prefill leaves

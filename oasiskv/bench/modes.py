@@ -39,10 +39,7 @@ def parse_modes(text: str) -> list[str]:
 
 
 def mode_config(config: EngineConfig, mode: str, **kv_changes) -> EngineConfig:
-    kv = dataclasses.replace(config.kv, mode=mode, **kv_changes)
-    if not kv.offloaded:  # --working-set sizes the host modes' GPU residency; the others hold everything
-        kv = dataclasses.replace(kv, working_set=None)
-    return config.replace(kv=kv)
+    return config.replace(kv=config.kv.for_mode(mode, **kv_changes))
 
 
 def with_engine(config: EngineConfig, measure):

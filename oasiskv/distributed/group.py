@@ -118,5 +118,5 @@ def leave_group(abort: bool = False) -> None:
     aborter = getattr(dist.distributed_c10d, "_abort_process_group", None)
     if abort and aborter is not None and dist.get_backend() == "nccl":
         aborter()
-    if dist.is_initialized():
+    if dist.is_initialized():  # an abort may already have taken the group down
         dist.destroy_process_group()

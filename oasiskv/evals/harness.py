@@ -63,16 +63,14 @@ def split_runnable(variants: list[Variant], block_size: int) -> tuple[list[Varia
 
 
 def variant_config(base: EngineConfig, v: Variant) -> EngineConfig:
-    changes = {"mode": v.mode}
+    changes = {}
     for name in ("budget", "fetch_cap", "draft"):
         if getattr(v, name) is not None:
             changes[name] = getattr(v, name)
     missing = [n for n in changes if n not in {f.name for f in dataclasses.fields(KVConfig)}]
     if missing:
         raise ValueError(f"this engine's KVConfig has no field {missing[0]!r} (mode {v.mode} not available yet?)")
-    kv = dataclasses.replace(base.kv, **changes)
-    if not kv.offloaded:  # --working-set sizes the host modes' GPU residency; the others hold everything
-        kv = dataclasses.replace(kv, working_set=None)
+    kv = base.kv.for_mode(v.mode, **changes)
     kv.validate(base.cache.block_size, 10 ** 9)
     return base.replace(kv=kv)
 
