@@ -15,11 +15,14 @@ from oasiskv.kernels.block_select import (
 )
 from oasiskv.kernels.block_summary import update_block_summaries
 
+from tests.kernel_device import DEV, INTERPRETED, ON_GPU  # noqa: E402
 
-def _case(bsz, hq, hkv, d, max_blocks, num_blocks_per_seq, dtype, seed=0, strided_q=False):
+
+def _case(bsz, hq, hkv, d, max_blocks, num_blocks_per_seq, dtype, seed=0, strided_q=False, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     phys_blocks = bsz * max_blocks + 5
     q = torch.randn(bsz, hq, d + (8 if strided_q else 0), generator=g).to(dtype)
+    q = q.to(device)  # before slicing, so that the strided view reaches the kernel
     q = q[:, :, :d] if strided_q else q
     lo = torch.randn(phys_blocks, hkv, d, generator=g)
     hi = lo + torch.rand(phys_blocks, hkv, d, generator=g) * 2
@@ -29,7 +32,7 @@ def _case(bsz, hq, hkv, d, max_blocks, num_blocks_per_seq, dtype, seed=0, stride
     nb = torch.tensor(num_blocks_per_seq, dtype=torch.int32)
     j = torch.arange(max_blocks)
     tables = torch.where(j[None] < nb[:, None].long(), perm, -1).to(torch.int32)
-    return q, summaries, tables, nb
+    return q, summaries.to(device), tables.to(device), nb.to(device)
 
 
 def _brute_force_scores(q, summaries, tables, nb):
@@ -61,17 +64,18 @@ SHAPES = [
 ]
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="checks that the interpreter runs the kernel on the CPU")
 def test_kernel_is_interpreted():
     assert block_select._triton_runs(torch.device("cpu"))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else []))
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("strided_q", [False, True])
 def test_triton_matches_reference(dtype, shape, strided_q):
-    q, s, tables, nb = _case(*shape, dtype=dtype, strided_q=strided_q)
-    got = block_scores(q, s, tables, nb)
-    ref = block_scores_reference(q, s, tables, nb)
+    q, s, tables, nb = _case(*shape, dtype=dtype, strided_q=strided_q, device=DEV)
+    got = block_scores(q, s, tables, nb).cpu()
+    ref = block_scores_reference(q.cpu(), s.cpu(), tables.cpu(), nb.cpu())
     assert got.dtype == torch.float32 and got.shape == tables.shape
     assert torch.equal(torch.isinf(got), torch.isinf(ref))
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
@@ -93,15 +97,15 @@ def test_score_is_an_upper_bound_end_to_end():
     torch.manual_seed(2)
     bsz, hq, hkv, d, block_size, max_blocks = 2, 4, 2, 16, 16, 6
     kv = torch.randn(bsz * max_blocks, 2, block_size, hkv, d)
-    summaries = torch.zeros(bsz * max_blocks, 2, hkv, d)
+    summaries = torch.zeros(bsz * max_blocks, 2, hkv, d, device=DEV)
     nb = torch.tensor([6, 4], dtype=torch.int32)
     tables = torch.arange(bsz * max_blocks, dtype=torch.int32).view(bsz, max_blocks)
     fill = torch.full((bsz * max_blocks,), block_size, dtype=torch.int32)
     fill[tables[0, 5]] = 9  # partial tail blocks
     fill[tables[1, 3]] = 1
-    update_block_summaries(summaries, kv, tables.flatten(), fill)
+    update_block_summaries(summaries, kv.to(DEV), tables.flatten().to(DEV), fill.to(DEV))
     q = torch.randn(bsz, hq, d)
-    scores = block_scores(q, summaries, tables, nb)
+    scores = block_scores(q.to(DEV), summaries, tables.to(DEV), nb.to(DEV)).cpu()
     for b in range(bsz):
         for j in range(int(nb[b])):
             p = int(tables[b, j])
@@ -115,6 +119,7 @@ def test_score_is_an_upper_bound_end_to_end():
 
 @pytest.mark.parametrize("fn", [block_scores, block_scores_reference])
 def test_block_scores_bad_arguments_raise(fn):
+    # CPU on purpose: value checks run by default on CPU tensors only (a sync on CUDA)
     q, s, tables, nb = _case(2, 4, 2, 16, 5, [5, 3], torch.float32)
     cases = [
         (q[:, :, :8], s, tables, nb, "head_dim"),
@@ -169,6 +174,7 @@ SELECT_CASES = [
 @pytest.mark.parametrize("budget,sink,local", SELECT_CASES)
 @pytest.mark.parametrize("ties", [False, True])
 def test_select_blocks_matches_brute_force(budget, sink, local, ties):
+    # on DEV: the selection must not depend on the device (torch.topk on CUDA included)
     g = torch.Generator().manual_seed(budget * 100 + sink * 10 + local + ties)
     max_blocks = 24
     # lengths around the budget: shorter (sink/local overlap), equal, one more, full
@@ -178,12 +184,12 @@ def test_select_blocks_matches_brute_force(budget, sink, local, ties):
         scores = torch.randint(-2, 3, (len(nb), max_blocks), generator=g).float()
     else:
         scores = torch.randn(len(nb), max_blocks, generator=g)
-    indptr, indices = select_blocks(scores, nb, budget, sink, local)
+    indptr, indices = select_blocks(scores.to(DEV), nb.to(DEV), budget, sink, local)
     exp_indptr, exp_indices = _brute_force_select(scores, nb, budget, sink, local)
     assert indptr.dtype == torch.int32 and indices.dtype == torch.int32
     assert indptr.tolist() == exp_indptr
     assert indices.tolist() == exp_indices
-    counts, padded = select_blocks_padded(scores, nb, budget, sink, local)
+    counts, padded = select_blocks_padded(scores.to(DEV), nb.to(DEV), budget, sink, local)
     assert counts.dtype == torch.int32 and padded.dtype == torch.int32
     assert padded.shape == (len(nb), min(budget, max_blocks))
     for b in range(len(nb)):
@@ -197,7 +203,8 @@ def test_select_blocks_ties_prefer_lower_ids_and_forced_beat_infinity():
     scores[0, 3] = math.inf  # a genuine +inf must not push out the forced tail block
     scores[0, 5] = math.inf
     scores[0, 7] = math.nan
-    nb = torch.tensor([10], dtype=torch.int32)
+    scores = scores.to(DEV)
+    nb = torch.tensor([10], dtype=torch.int32, device=DEV)
     indptr, indices = select_blocks(scores, nb, budget_blocks=4, sink_blocks=1, local_blocks=1)
     assert indices.tolist() == [0, 3, 5, 9]
     indptr, indices = select_blocks(scores, nb, budget_blocks=6, sink_blocks=1, local_blocks=1)
@@ -205,7 +212,7 @@ def test_select_blocks_ties_prefer_lower_ids_and_forced_beat_infinity():
 
 
 def test_select_blocks_pipeline_and_ignores_invalid_scores():
-    q, s, tables, nb = _case(3, 8, 2, 32, 40, [40, 7, 0], torch.float32, seed=3)
+    q, s, tables, nb = _case(3, 8, 2, 32, 40, [40, 7, 0], torch.float32, seed=3, device=DEV)
     scores = block_scores(q, s, tables, nb)
     indptr, indices = select_blocks(scores, nb, budget_blocks=10, sink_blocks=1, local_blocks=3)
     assert indptr.tolist() == [0, 10, 17, 17]
@@ -217,14 +224,14 @@ def test_select_blocks_pipeline_and_ignores_invalid_scores():
 
 
 def test_select_blocks_bad_arguments_raise():
-    scores = torch.zeros(2, 8)
-    nb = torch.tensor([8, 3], dtype=torch.int32)
+    scores = torch.zeros(2, 8, device=DEV)
+    nb = torch.tensor([8, 3], dtype=torch.int32, device=DEV)
     with pytest.raises(ValueError, match="exceeds budget_blocks"):
         select_blocks(scores, nb, 4, 2, 3)
     with pytest.raises(ValueError, match="local_blocks >= 1"):
         select_blocks(scores, nb, 4, 1, 0)
     with pytest.raises(ValueError, match=r"in \[0, 8\]"):
-        select_blocks(scores, torch.tensor([9, 3], dtype=torch.int32), 4, 1, 1)
+        select_blocks(scores, torch.tensor([9, 3], dtype=torch.int32, device=DEV), 4, 1, 1)
     with pytest.raises(ValueError, match="num_blocks_per_seq must be"):
         select_blocks(scores, nb[:1], 4, 1, 1)
     with pytest.raises(ValueError, match="scores must be"):
@@ -232,10 +239,11 @@ def test_select_blocks_bad_arguments_raise():
 
 
 def test_select_blocks_empty_shapes():
-    indptr, indices = select_blocks(torch.zeros(0, 5), torch.zeros(0, dtype=torch.int32), 4, 1, 1)
+    empty = torch.zeros(0, dtype=torch.int32, device=DEV)
+    indptr, indices = select_blocks(torch.zeros(0, 5, device=DEV), empty, 4, 1, 1)
     assert indptr.tolist() == [0] and indices.numel() == 0
-    nb = torch.zeros(2, dtype=torch.int32)
-    indptr, indices = select_blocks(torch.zeros(2, 0), nb, 4, 1, 1)
+    nb = torch.zeros(2, dtype=torch.int32, device=DEV)
+    indptr, indices = select_blocks(torch.zeros(2, 0, device=DEV), nb, 4, 1, 1)
     assert indptr.tolist() == [0, 0, 0] and indices.numel() == 0
-    counts, padded = select_blocks_padded(torch.zeros(2, 0), nb, 4, 1, 1)
+    counts, padded = select_blocks_padded(torch.zeros(2, 0, device=DEV), nb, 4, 1, 1)
     assert counts.tolist() == [0, 0] and padded.shape == (2, 0)

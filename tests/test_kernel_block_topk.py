@@ -15,8 +15,19 @@ from oasiskv.kernels.block_topk import (
     predict_prefetch_reference,
     select_blocks_fused,
 )
+from tests.kernel_device import DEV, INTERPRETED
 
 
+@pytest.fixture(params=["kernel", "torch"])
+def path(request, monkeypatch):
+    """Each prefetch-plan test runs twice: through the kernel, and through the torch path the launcher
+    falls back to (the CPU engine's path) — both must give the same plan."""
+    if request.param == "torch":
+        monkeypatch.setattr(block_topk, "_fits", lambda *args: False)
+    return request.param
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="checks that the interpreter runs the kernels on the CPU")
 def test_kernels_are_interpreted():
     assert block_topk._triton_runs(torch.device("cpu"))
 
@@ -133,21 +144,24 @@ def _working_set(rows, max_blocks, seed, layers=3):
 
 @pytest.mark.parametrize("cap", [1, 3, 6, 64])
 @pytest.mark.parametrize("ties", [False, True])
-def test_prefetch_list_is_the_best_missing_blocks(cap, ties):
+def test_prefetch_list_is_the_best_missing_blocks(cap, ties, path):
     max_blocks, budget = 60, 16
     nb = _lengths(budget, max_blocks)
     scores = _scores(len(nb), max_blocks, seed=cap + 10 * ties, ties=ties, specials=ties)
     slot_of, layer_of, rows = _working_set(len(nb), max_blocks, seed=cap)
     resident = slot_of[layer_of, rows] >= 0
     for kwargs in (dict(resident=resident), dict(slot_of=slot_of, layer_of=layer_of, rows=rows)):
-        prediction, _, fetch = predict_prefetch(scores, nb, budget, 1, 2, cap, max_blocks, **kwargs)
+        on_device = {name: t.to(DEV) for name, t in kwargs.items()}
+        prediction, _, fetch = predict_prefetch(scores.to(DEV), nb.to(DEV), budget, 1, 2, cap, max_blocks,
+                                                **on_device)
+        prediction, fetch = prediction.cpu(), fetch.cpu()
         expected = _brute_force_plan(scores, prediction, resident, cap)
         assert fetch.dtype == torch.int32 and fetch.shape == (len(nb), min(cap, prediction.shape[1]))
         assert _rows_as_sets(fetch) == expected
         _prefix_then_padding(fetch)
-        if not ties:  # the torch code oasis ran (no ties, no NaN): the same set, its order by score
-            ref = plan_prefetch_reference(scores, prediction, cap, **kwargs)
-            assert _rows_as_sets(ref) == expected
+        ref = plan_prefetch_reference(scores, prediction, cap, **kwargs)
+        assert _rows_as_sets(ref) == expected
+        _prefix_then_padding(ref)
 
 
 def test_residency_arguments_are_checked():
@@ -171,13 +185,15 @@ def test_residency_arguments_are_checked():
 
 # ---------------------------------------------------------------------------------------- both at once
 @pytest.mark.parametrize("max_blocks,budget,sink,local,cap", [(60, 16, 1, 2, 3), (37, 8, 0, 1, 8), (300, 64, 1, 4, 6)])
-def test_predict_prefetch_in_one_launch(max_blocks, budget, sink, local, cap):
+def test_predict_prefetch_in_one_launch(max_blocks, budget, sink, local, cap, path):
     nb = _lengths(budget, max_blocks)
     scores = _scores(len(nb), max_blocks, seed=max_blocks, ties=True)
     slot_of, layer_of, rows = _working_set(len(nb), max_blocks, seed=budget)
     width = max_blocks + 1 + 2 * triton_block(max_blocks)  # the mask's tail past N is written too
     residency = dict(slot_of=slot_of, layer_of=layer_of, rows=rows)
-    prediction, mask, fetch = predict_prefetch(scores, nb, budget, sink, local, cap, width, **residency)
+    on_device = {name: t.to(DEV) for name, t in residency.items()}
+    got = predict_prefetch(scores.to(DEV), nb.to(DEV), budget, sink, local, cap, width, **on_device)
+    prediction, mask, fetch = (t.cpu() for t in got)
     ref_prediction, ref_mask, _ = predict_prefetch_reference(scores, nb, budget, sink, local, cap, width,
                                                              **residency)
     assert torch.equal(prediction, ref_prediction)

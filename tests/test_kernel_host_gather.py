@@ -16,8 +16,7 @@ from oasiskv.kernels.host_gather import (  # noqa: E402
     store_blocks_to_host_reference,
 )
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-DEV = torch.device("cuda" if ON_GPU else "cpu")
+from tests.kernel_device import DEV, ON_GPU  # noqa: E402
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
 
 

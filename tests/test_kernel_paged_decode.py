@@ -1,7 +1,8 @@
-"""Dense paged decode attention: Triton kernel (interpreter) vs torch reference vs brute force.
+"""Dense paged decode attention: Triton kernel vs torch reference vs brute force.
 
 The kernel runs on the CPU under TRITON_INTERPRET=1, which must be set before triton is
-imported, hence the environment line above the imports. Shapes are small: the
+imported, hence the environment line above the imports. On a GPU machine, run with
+TRITON_INTERPRET=0 to test the compiled kernel. Shapes are small: the
 interpreter is slow. bf16 is not tested here (the interpreter gives garbage for it);
 the GPU benchmark checks bf16.
 """
@@ -23,13 +24,17 @@ from oasiskv.kernels.paged_decode import (  # noqa: E402
     scratch_bytes,
 )
 
-# The kernels are interpreted only if this module set TRITON_INTERPRET before anything imported them.
-needs_interpreter = pytest.mark.skipif(
-    not INTERPRETED, reason="Triton kernel on CPU needs TRITON_INTERPRET=1 before oasiskv.kernels.paged_decode is imported"
+from tests.kernel_device import DEV, ON_GPU  # noqa: E402
+
+# On the CPU the kernels run only if this module set TRITON_INTERPRET before anything imported them.
+needs_kernel = pytest.mark.skipif(
+    not (ON_GPU or INTERPRETED),
+    reason="Triton kernel on CPU needs TRITON_INTERPRET=1 before oasiskv.kernels.paged_decode is imported",
 )
 
 
-def make_case(seq_lens, q_heads, kv_heads, head_dim, dtype, block_size=16, extra_blocks=5, seed=0, layers=1, layer=0):
+def make_case(seq_lens, q_heads, kv_heads, head_dim, dtype, block_size=16, extra_blocks=5, seed=0, layers=1, layer=0,
+              device="cpu"):
     """Random q and paged KV with shuffled physical blocks; unused table entries are -1."""
     gen = torch.Generator().manual_seed(seed)
     batch = len(seq_lens)
@@ -37,7 +42,7 @@ def make_case(seq_lens, q_heads, kv_heads, head_dim, dtype, block_size=16, extra
     max_blocks = max(blocks_needed) + 1  # at least one unused (garbage) entry per row
     num_blocks = sum(blocks_needed) + extra_blocks
     pool = torch.randn(layers, num_blocks, 2, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    kv_layer = pool[layer]
+    kv_layer = pool.to(device)[layer]  # a view of the pool on the device: the kernel sees its strides
     perm = torch.randperm(num_blocks, generator=gen)
     block_tables = torch.full((batch, max_blocks), -1, dtype=torch.int32)
     used = 0
@@ -45,7 +50,7 @@ def make_case(seq_lens, q_heads, kv_heads, head_dim, dtype, block_size=16, extra
         block_tables[b, :n] = perm[used : used + n].to(torch.int32)
         used += n
     q = torch.randn(batch, q_heads, head_dim, generator=gen).to(dtype)
-    return q, kv_layer, block_tables, torch.tensor(seq_lens, dtype=torch.int32)
+    return q.to(device), kv_layer, block_tables.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device)
 
 
 def brute_force(q, kv_layer, block_tables, seq_lens, scale):
@@ -80,14 +85,14 @@ CASES = [
 ]
 
 
-@needs_interpreter
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("seq_lens,q_heads,kv_heads,head_dim,partition_size", CASES)
 def test_kernel_matches_reference(seq_lens, q_heads, kv_heads, head_dim, partition_size, dtype):
-    q, kv_layer, block_tables, lens = make_case(seq_lens, q_heads, kv_heads, head_dim, dtype)
+    q, kv_layer, block_tables, lens = make_case(seq_lens, q_heads, kv_heads, head_dim, dtype, device=DEV)
     scale = head_dim**-0.5
-    out = paged_decode_attention(q, kv_layer, block_tables, lens, scale, partition_size=partition_size)
-    ref = paged_decode_reference(q, kv_layer, block_tables, lens, scale)
+    out = paged_decode_attention(q, kv_layer, block_tables, lens, scale, partition_size=partition_size).cpu()
+    ref = paged_decode_reference(q.cpu(), kv_layer.cpu(), block_tables.cpu(), lens.cpu(), scale)
     assert out.shape == q.shape and out.dtype == dtype
     torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
 
@@ -104,29 +109,29 @@ def test_reference_matches_brute_force(seq_lens, q_heads, kv_heads, head_dim, pa
     torch.testing.assert_close(ref.double(), expected, **tol)
 
 
-@needs_interpreter
+@needs_kernel
 def test_kernel_strided_views_and_out():
     """A non-first layer view of a multi-layer pool, a non-contiguous q and a given non-contiguous out."""
-    q_full, kv_layer, block_tables, lens = make_case([40, 17], 8, 2, 32, torch.float32, layers=3, layer=1)
-    q_big = torch.randn(2, 8, 64)
+    q_full, kv_layer, block_tables, lens = make_case([40, 17], 8, 2, 32, torch.float32, layers=3, layer=1, device=DEV)
+    q_big = torch.randn(2, 8, 64).to(DEV)
     q_big[:, :, :32] = q_full
     q = q_big[:, :, :32]
     assert not q.is_contiguous()
-    out_big = torch.zeros(2, 8, 48)
+    out_big = torch.zeros(2, 8, 48, device=DEV)
     out = out_big[:, :, 8:40]
     scale = 0.2
     res = paged_decode_attention(q, kv_layer, block_tables, lens, scale, out, partition_size=16)
     assert res.data_ptr() == out.data_ptr()
-    ref = paged_decode_reference(q, kv_layer, block_tables, lens, scale)
-    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    ref = paged_decode_reference(q.cpu(), kv_layer.cpu(), block_tables.cpu(), lens.cpu(), scale)
+    torch.testing.assert_close(out.cpu(), ref, atol=2e-5, rtol=2e-5)
     assert out_big[:, :, :8].abs().max() == 0 and out_big[:, :, 40:].abs().max() == 0
 
 
-@needs_interpreter
+@needs_kernel
 def test_kernel_max_seq_len_hint_too_small_is_still_correct():
-    q, kv_layer, block_tables, lens = make_case([90, 3], 4, 2, 16, torch.float32)
-    out = paged_decode_attention(q, kv_layer, block_tables, lens, 0.25, max_seq_len=20, partition_size=16)
-    ref = paged_decode_reference(q, kv_layer, block_tables, lens, 0.25)
+    q, kv_layer, block_tables, lens = make_case([90, 3], 4, 2, 16, torch.float32, device=DEV)
+    out = paged_decode_attention(q, kv_layer, block_tables, lens, 0.25, max_seq_len=20, partition_size=16).cpu()
+    ref = paged_decode_reference(q.cpu(), kv_layer.cpu(), block_tables.cpu(), lens.cpu(), 0.25)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
@@ -144,6 +149,7 @@ def test_choose_partition_fills_the_gpu():
 
 
 def _bad(**overrides):
+    # CPU is enough on every machine: the argument checks run before any device dispatch
     q, kv_layer, block_tables, lens = make_case([20, 5], 8, 2, 16, torch.float32)
     args = dict(q=q, kv_layer=kv_layer, block_tables=block_tables, seq_lens=lens, scale=0.25)
     args.update(overrides)

@@ -10,7 +10,7 @@ import torch  # noqa: E402
 from oasiskv.kernels.residency import COUNTERS, resident_selection, resident_selection_reference  # noqa: E402
 
 # on a GPU machine run with TRITON_INTERPRET=0 to test the compiled kernel
-DEV = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
+from tests.kernel_device import DEV  # noqa: E402
 
 
 def make_case(b, k, layers=3, rows=6, blocks=40, seed=0):

@@ -15,8 +15,7 @@ import torch  # noqa: E402
 from oasiskv.kernels.sparse_decode import (sparse_decode_attention, sparse_decode_attention_padded,  # noqa: E402
                                            sparse_decode_reference)
 
-ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
-DEV = torch.device("cuda" if ON_GPU else "cpu")
+from tests.kernel_device import DEV, ON_GPU  # noqa: E402
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
 # ||out - ref|| / ||ref|| bounds for outputs stored in each dtype
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}

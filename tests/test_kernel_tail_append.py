@@ -9,7 +9,7 @@ import torch  # noqa: E402
 
 from oasiskv.kernels.tail_append import append_to_tails, append_to_tails_reference  # noqa: E402
 
-DEV = torch.device("cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu")
+from tests.kernel_device import DEV  # noqa: E402
 
 
 def make_case(b, bs=8, hkv=2, d=8, layers=2, rows=5, blocks=6, draft=False, dtype=torch.float32, seed=0):

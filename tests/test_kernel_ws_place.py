@@ -18,8 +18,7 @@ from oasiskv.kernels.ws_place import fused_place_runs, place_fused  # noqa: E402
 from oasiskv.kv.working_set import WorkingSet  # noqa: E402
 
 CPU = torch.device("cpu")
-# the fused side runs where the kernel runs: interpreted on the CPU, compiled on a GPU when TRITON_INTERPRET=0
-DEV = torch.device("cuda") if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else CPU
+from tests.kernel_device import DEV  # noqa: E402  (the fused side runs where the kernel runs)
 
 
 def on_dev(*args):

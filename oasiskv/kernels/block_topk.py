@@ -225,17 +225,22 @@ def _launch_select(scores, n, budget, sink, local, check_values, cap=0, residenc
 # ---------------------------------------------------------------------------------------- prefetch plan
 def plan_prefetch_reference(scores: torch.Tensor, prediction: torch.Tensor, cap: int, *, resident=None,
                             slot_of=None, layer_of=None, rows=None) -> torch.Tensor:
-    """The prefetch list of :func:`predict_prefetch` in torch (the code oasis ran before): per row, the blocks
-    of `prediction` that are not resident, the `cap` best; the same set as the kernel's, in descending score
-    order (ties in topk's order). Residency: `resident` bool [R, N], or `slot_of` read at
-    [layer_of[r], rows[r]]."""
+    """The prefetch list of :func:`predict_prefetch` in torch: per row, the blocks of `prediction` that are
+    not resident and whose score is neither NaN nor -inf, the `cap` best, as the kernel ranks them: higher
+    score first, the lower block id on a tie; listed first, -1 after. Residency: `resident` bool [R, N], or
+    `slot_of` read at [layer_of[r], rows[r]]."""
     _check_prediction(scores, prediction, cap)
     _residency(len(scores), scores.device, resident, slot_of, layer_of, rows)
     ids = prediction.clamp(min=0).long()
-    wanted = (prediction >= 0) & ~_resident_of(ids, resident, slot_of, layer_of, rows)
-    key = torch.where(wanted, scores.float().gather(1, ids), float("-inf"))
-    best = key.topk(min(cap, key.shape[1]), dim=1)
-    return torch.where(best.values > float("-inf"), prediction.gather(1, best.indices), -1)
+    score = scores.float().gather(1, ids)
+    wanted = (prediction >= 0) & ~_resident_of(ids, resident, slot_of, layer_of, rows) & ~score.isnan()
+    key = torch.where(wanted, score, float("-inf"))
+    # a stable sort by score over the entries in ascending id order breaks ties towards the lower id
+    by_id = torch.where(prediction >= 0, prediction, torch.iinfo(torch.int32).max).argsort(dim=1, stable=True)
+    ranked = key.gather(1, by_id).sort(dim=1, descending=True, stable=True)
+    width = min(cap, key.shape[1])
+    best = by_id.gather(1, ranked.indices[:, :width])
+    return torch.where(ranked.values[:, :width] > float("-inf"), prediction.gather(1, best), -1)
 
 
 # ---------------------------------------------------------------------------------------- both at once
