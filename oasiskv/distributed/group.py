@@ -2,15 +2,12 @@
 
 Tensors (activations, logits, block scores) go through the default group: NCCL on CUDA, gloo on
 the CPU. Plain data (the step plan, sizes the ranks agree on) goes through a second, gloo group, so
-it never waits on a GPU stream. Oasis's draft scores, combined on the copy stream, go through a third
-group (`side_group`): a communicator runs its collectives in issue order on one internal stream, so
-sharing the default one would make every later layer's all-reduce wait for the copy stream's work."""
+it never waits on a GPU stream."""
 from __future__ import annotations
 
 import datetime
 import time
 import weakref
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +24,6 @@ class TensorParallel:
     world: int
     device: torch.device
     cpu_group: dist.ProcessGroup
-    side_group: dist.ProcessGroup | None = None  # collectives issued from a side stream; None: the default group
     released: list[str] = field(default_factory=list)  # rank 0: requests released since the last plan
     shutdown: object = None  # rank 0: stops the workers (idempotent); set by launch
     procs: list = field(default_factory=list)  # rank 0: the spawned ranks' processes
@@ -99,10 +95,7 @@ def join_group(rank: int, world: int, init_file: str, device_type: str) -> Tenso
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=COLLECTIVE_TIMEOUT, device_id=device if device.type == "cuda" else None)
-    cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    # OASISKV_TP_SIDE_GROUP=0 puts side-stream collectives back on the default group (for A/B timing)
-    side = dist.new_group(backend=backend) if os.environ.get("OASISKV_TP_SIDE_GROUP", "1") != "0" else None
-    tp = TensorParallel(rank, world, device, cpu_group, side_group=side)
+    tp = TensorParallel(rank, world, device, dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT))
     _current = weakref.ref(tp)
     return tp
 

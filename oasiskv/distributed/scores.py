@@ -17,25 +17,22 @@ import torch.distributed as dist
 
 
 class ScoreCombiner:
-    def __init__(self, world: int, kv_replicas: int, timed: bool = False, side_group=None):
+    def __init__(self, world: int, kv_replicas: int, timed: bool = False):
         self.world, self.kv_replicas = world, kv_replicas
-        self.side_group = side_group  # for scores combined on a side stream (None: the default group)
         self.timed = timed  # CPU: seconds spent in the collective (on the GPU, time it with a profiler)
         self.calls, self.bytes, self.seconds = 0, 0, 0.0
 
-    def __call__(self, scores: torch.Tensor, side: bool = False) -> torch.Tensor:
-        """This rank's scores [B, blocks] fp32 -> the scores of the whole model, on every rank. `side`:
-        issued from a side stream (oasis's copy stream), so through the side group."""
+    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
+        """This rank's scores [B, blocks] fp32 -> the scores of the whole model, on every rank."""
         t0 = time.perf_counter() if self.timed else 0.0
         self.calls += 1
         self.bytes += scores.numel() * scores.element_size()
-        group = self.side_group if side else None
         if self.kv_replicas == 1:
-            dist.all_reduce(scores, group=group)
+            dist.all_reduce(scores)
             out = scores
         else:
             parts = [torch.empty_like(scores) for _ in range(self.world)]
-            dist.all_gather(parts, scores.contiguous(), group=group)
+            dist.all_gather(parts, scores.contiguous())
             out = combine_gathered(torch.stack(parts), self.kv_replicas)
         if self.timed:
             self.seconds += time.perf_counter() - t0

@@ -53,5 +53,4 @@ def attach_score_combiner(policy: KVPolicy, tp: TensorParallel, model_config: Mo
     shard = plan_shard(model_config, tp.rank, tp.world)
     if policy.name == "dense":
         return
-    policy.combine_scores = tp.combiner = ScoreCombiner(tp.world, shard.kv_replicas, timed=tp.device.type == "cpu",
-                                                        side_group=tp.side_group)
+    policy.combine_scores = tp.combiner = ScoreCombiner(tp.world, shard.kv_replicas, timed=tp.device.type == "cpu")

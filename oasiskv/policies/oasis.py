@@ -263,7 +263,7 @@ class OasisPolicy(TieredPolicy):
         rows = self.rows.repeat(g)
         host_tables = self.host_tables.repeat(g, 1)
         scores = self.combined(torch.cat([self.local_scores(layer, q, self.host_tables, nblocks)
-                                          for layer, q in zip(layers, queries)]), side=True)  # one per group
+                                          for layer, q in zip(layers, queries)]))  # one collective per group
         plan = predict_prefetch if self.cuda else predict_prefetch_reference  # one kernel on the GPU
         _, predicted, fetch = plan(scores, nblocks.repeat(g), self.budget_blocks, self.cfg.sink_blocks,
                                    self.cfg.local_blocks, self.fetch_cap_blocks, self.ws.max_blocks + 1,

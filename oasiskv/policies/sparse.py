@@ -135,10 +135,9 @@ class SparsePolicy(KVPolicy):
         score = block_scores if self.cuda else block_scores_reference
         return score(q, self.summaries.layer(layer), tables, nblocks)
 
-    def combined(self, scores: torch.Tensor, side: bool = False) -> torch.Tensor:
-        """This rank's block scores -> the whole model's (tensor parallelism: one collective); else as is.
-        `side`: called from a side stream (see distributed/group.py)."""
-        return scores if self.combine_scores is None else self.combine_scores(scores, side=side)
+    def combined(self, scores: torch.Tensor) -> torch.Tensor:
+        """This rank's block scores -> the whole model's (tensor parallelism: one collective); else as is."""
+        return scores if self.combine_scores is None else self.combine_scores(scores)
 
     def is_dense_layer(self, layer: int) -> bool:
         return layer < self.cfg.dense_layers or self.num_decode_blocks <= self.budget_blocks
