@@ -118,6 +118,7 @@ def test_single_mode_batches_still_work(tiny, tmp_path):
     bench(tiny, "--kv-mode", "quest", "--batch-sizes", "1,2", "--out", str(out))
     rows = json.loads(out.read_text())["rows"]
     assert [(r["mode"], r["batch"], r["decode_steps"]) for r in rows] == [("quest", 1, OUT), ("quest", 2, OUT)]
+    assert all(r["replay_steps"] == 0 and r["replay_step_ms"] is None for r in rows)  # no CUDA graphs on the CPU
 
 
 def test_bad_lists_get_clear_errors(tiny):
