@@ -2,6 +2,7 @@
 what it passes back (JSON, SSE, errors), and when the prefill's answer is the whole answer."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -9,10 +10,12 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from oasiskv.bench.serve import server_vocab_size
 from oasiskv.disagg.proxy import build_proxy_app
 from oasiskv.server.app import BackgroundServer
 
 PARAMS = {"remote_agent": "a", "first_token_id": 7}
+TOKENIZER_INFO = {"vocab_size": 151936, "eos_token": "<|im_end|>"}
 
 
 def stand_ins(seen: dict) -> tuple[FastAPI, FastAPI]:
@@ -31,6 +34,14 @@ def stand_ins(seen: dict) -> tuple[FastAPI, FastAPI]:
         choice.update({"message": {"role": "assistant", "content": "A"}} if "messages" in body else {"text": "A"})
         params = None if stops or "kv_transfer_params" not in body else PARAMS
         return {"id": "p", "object": "x", "choices": [choice], "usage": {}, "kv_transfer_params": params}
+
+    @decode.get("/tokenizer_info")
+    async def tokenizer_info():
+        return TOKENIZER_INFO
+
+    @decode.post("/tokenize")
+    async def tokenize(request: Request):
+        return {"tokens": [len(w) for w in (await request.json())["prompt"].split()]}
 
     @decode.post("/v1/completions")
     async def decode_route(request: Request):
@@ -96,3 +107,17 @@ def test_errors_pass_through(proxied):
     assert bad.status_code == 400 and bad.json()["error"]["message"] == "prompt too long"
     garbled = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert garbled.status_code == 400 and "not valid JSON" in garbled.json()["error"]["message"]
+
+
+def test_tokenizer_endpoints_pass_through(proxied):
+    """`bench serve` draws its prompts from /tokenizer_info's vocab_size: through a proxy without it, the
+    disaggregated GPU run of 2026-11-30 got tokens in [128, 256) where the single instance got the model's."""
+    client, _ = proxied
+    assert client.get("/tokenizer_info").json() == TOKENIZER_INFO
+    assert client.post("/tokenize", json={"prompt": "a bb ccc"}).json() == {"tokens": [1, 2, 3]}
+
+    async def vocab():
+        async with httpx.AsyncClient(base_url=str(client.base_url)) as bench_client:
+            return await server_vocab_size(bench_client)
+
+    assert asyncio.run(vocab()) == TOKENIZER_INFO["vocab_size"]

@@ -5,6 +5,7 @@ import argparse
 import json
 
 import pytest
+from fastapi import FastAPI
 
 from oasiskv.bench import serve as bench_serve
 from oasiskv.cli import engine_config, parser
@@ -46,7 +47,7 @@ def url(smollm_llm):
         yield base
 
 
-def test_bench_serve_prints_and_saves_vllm_style_results(url, tmp_path, capsys):
+def test_bench_serve_prints_and_saves_vllm_style_results(url, smollm_llm, tmp_path, capsys):
     p = argparse.ArgumentParser()
     bench_serve.add_args(p)
     out = tmp_path / "result.json"
@@ -63,3 +64,22 @@ def test_bench_serve_prints_and_saves_vllm_style_results(url, tmp_path, capsys):
     assert saved["total_input_tokens"] == 8 * 24 and saved["total_output_tokens"] == 8 * 4
     assert all(len(itl) == 3 for itl in saved["itls"])
     assert 0 < saved["mean_ttft_ms"] and 0 < saved["median_tpot_ms"] and saved["p99_itl_ms"] > 0
+    assert saved["vocab_size"] == smollm_llm.engine.model_config.vocab_size  # prompts drawn from the model's
+
+
+def test_bench_serve_refuses_to_guess_the_vocabulary(tmp_path):
+    """A server without /tokenizer_info: no silent default vocabulary (other prompts), a clear error."""
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"data": [{"id": "m"}]}
+
+    p = argparse.ArgumentParser()
+    bench_serve.add_args(p)
+    with BackgroundServer(app) as base:
+        args = p.parse_args(["--base-url", base, "--num-prompts", "1", "--random-input-len", "4",
+                             "--random-output-len", "2", "--json", str(tmp_path / "r.json")])
+        with pytest.raises(SystemExit, match="--vocab-size"):
+            bench_serve.main(args)
+    assert not (tmp_path / "r.json").exists()

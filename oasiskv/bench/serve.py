@@ -23,6 +23,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random-input-len", type=int, default=1024)
     p.add_argument("--random-output-len", type=int, default=128)
     p.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths drawn from len * [1-r, 1+r]")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="prompt token ids are drawn below it (default: the server's /tokenizer_info vocab_size)")
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
@@ -104,8 +106,7 @@ async def run_benchmark(args) -> dict:
     async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(6 * 3600.0),
                                  limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)) as client:
         model = args.model or (await client.get("/v1/models")).json()["data"][0]["id"]
-        info = await client.get("/tokenizer_info")
-        vocab = info.json().get("vocab_size", 256) if info.status_code == 200 else 256
+        vocab = args.vocab_size or await server_vocab_size(client)
         prompts = random_prompts(args.num_prompts, args.random_input_len, args.random_output_len,
                                  args.random_range_ratio, vocab, args.seed)
         gate = asyncio.Semaphore(args.max_concurrency or len(prompts) or 1)
@@ -119,7 +120,18 @@ async def run_benchmark(args) -> dict:
             tasks.append(asyncio.create_task(limited(*prompts[i])))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    return summarize(results, duration, args, model)
+    return {**summarize(results, duration, args, model), "vocab_size": vocab}
+
+
+async def server_vocab_size(client: httpx.AsyncClient) -> int:
+    """The model's vocabulary size from the server's /tokenizer_info. No silent default: prompts drawn
+    from another range are other prompts (a proxy without this endpoint once gave [128, 256) tokens)."""
+    info = await client.get("/tokenizer_info")
+    size = info.json().get("vocab_size") if info.status_code == 200 else None
+    if not size:
+        raise SystemExit(f"{client.base_url}/tokenizer_info gave no vocab_size (HTTP {info.status_code}): "
+                         "pass --vocab-size")
+    return int(size)
 
 
 def summarize(results: list[RequestResult], duration: float, args, model: str) -> dict:

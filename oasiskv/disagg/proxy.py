@@ -113,6 +113,19 @@ def build_proxy_app(prefill_url: str, decode_url: str) -> FastAPI:
     async def models():
         return passthrough(await proxy.client.get(proxy.decode + "/v1/models"))
 
+    # the tokenizer endpoints of `oasiskv serve`: `bench serve` draws its random prompts from
+    # /tokenizer_info's vocab_size, lm-eval's remote tokenizer uses all three
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return passthrough(await proxy.client.get(proxy.decode + "/tokenizer_info"))
+
+    for path in ("/tokenize", "/detokenize"):
+        async def tokens(request: Request, path=path):
+            return passthrough(await proxy.client.post(proxy.decode + path, content=await request.body(),
+                                                       headers={"content-type": "application/json"}))
+
+        app.post(path)(tokens)
+
     return app
 
 
