@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from oasiskv.distributed.plans import BlockTables
+
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)  # ranks load the model between collectives
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # ranks wait for the next plan as long as the engine idles
 _current: weakref.ref | None = None  # the group of this process, if any (a weak reference: the engine owns it)
@@ -33,6 +35,7 @@ class TensorParallel:
     combiner: object = None  # the sparse policy's ScoreCombiner, for its statistics
     plans_sent: int = 0
     plan_seconds: float = 0.0  # rank 0: pickling and broadcasting step plans
+    tables: BlockTables = field(default_factory=BlockTables)  # block tables the other ranks hold
 
     @property
     def is_leader(self) -> bool:
@@ -55,14 +58,20 @@ class TensorParallel:
             raise RuntimeError(f"tensor-parallel rank process {dead[0].name} exited (code {dead[0].exitcode}): "
                                "this engine cannot run; close it and start a new one")
         t0 = time.perf_counter()
-        self.broadcast((plan, self.released))
+        self.tables.forget(self.released)
+        self.broadcast((self.tables.encode(plan), self.released))
         self.released = []
         self.plans_sent += 1
         self.plan_seconds += time.perf_counter() - t0
 
     def receive_step(self):
         """Other ranks: (plan, released request ids), or None when the engine closes."""
-        return self.broadcast(None)
+        message = self.broadcast(None)
+        if message is None:
+            return None
+        plan, released = message
+        self.tables.forget(released)
+        return self.tables.decode(plan), released
 
     def stats(self) -> dict:
         out = {"tp_size": self.world, "tp_plans_sent": self.plans_sent,
