@@ -115,6 +115,8 @@ def test_tokenizer_endpoints_pass_through(proxied):
     client, _ = proxied
     assert client.get("/tokenizer_info").json() == TOKENIZER_INFO
     assert client.post("/tokenize", json={"prompt": "a bb ccc"}).json() == {"tokens": [1, 2, 3]}
+    # the target path is fixed by the route, not read from the query string
+    assert client.post("/tokenize?path=/v1/models", json={"prompt": "a"}).json() == {"tokens": [1]}
 
     async def vocab():
         async with httpx.AsyncClient(base_url=str(client.base_url)) as bench_client:

@@ -111,8 +111,9 @@ def bench_one(engine, batch: int, input_len: int, output_len: int, hbm_gbps: flo
     ranks = engine.config.tensor_parallel_size  # every rank reads its weights; rank 0 counts its KV copies
     weights = engine.weights_bytes() * ranks
     bytes_read, decode_s = 0, 0.0
-    replays, replay_s = 0, 0.0  # steps replayed from a CUDA graph: a new graph key (oasis: a draft opening a
-    # block) can first appear inside the timed window, and its eager and capture steps cost far more
+    # steps replayed from a CUDA graph, apart: a graph key first seen inside the timed window (oasis: a
+    # draft opening a block) adds an eager step and a capture, which cost far more than a replay
+    replays, replay_s = 0, 0.0
     before = engine.policy.stats()
     for _ in range(output_len):
         kv_bytes = sum(kv_bytes_read(engine, r.num_tokens) for r in reqs)

@@ -93,8 +93,10 @@ def build_proxy_app(prefill_url: str, decode_url: str) -> FastAPI:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return e
 
-    for path in GENERATION_PATHS:
-        async def route(request: Request, path=path):
+    # routes are built by functions taking the path: a `path=path` default would make FastAPI read `path`
+    # from the query string, so `?path=...` could send the request elsewhere
+    def generation_route(path: str):
+        async def route(request: Request):
             body = await body_of(request)
             if isinstance(body, Exception):
                 return JSONResponse(error_body(f"the request body is not valid JSON: {body}", 400), status_code=400)
@@ -102,8 +104,16 @@ def build_proxy_app(prefill_url: str, decode_url: str) -> FastAPI:
                 return await proxy.generate(path, body)
             except httpx.HTTPError as e:
                 return JSONResponse(error_body(f"an instance behind the proxy failed: {e!r}", 502), status_code=502)
+        return route
 
-        app.post(path)(route)
+    def decode_route(path: str):
+        async def route(request: Request):
+            return passthrough(await proxy.client.post(proxy.decode + path, content=await request.body(),
+                                                       headers={"content-type": "application/json"}))
+        return route
+
+    for path in GENERATION_PATHS:
+        app.post(path)(generation_route(path))
 
     @app.get("/health")
     async def health():
@@ -120,11 +130,7 @@ def build_proxy_app(prefill_url: str, decode_url: str) -> FastAPI:
         return passthrough(await proxy.client.get(proxy.decode + "/tokenizer_info"))
 
     for path in ("/tokenize", "/detokenize"):
-        async def tokens(request: Request, path=path):
-            return passthrough(await proxy.client.post(proxy.decode + path, content=await request.body(),
-                                                       headers={"content-type": "application/json"}))
-
-        app.post(path)(tokens)
+        app.post(path)(decode_route(path))
 
     return app
 

@@ -1,9 +1,8 @@
 """Step plans as they travel from rank 0 to the other ranks.
 
-A plan carries each scheduled request's whole block table, which grows with its context: at 16K
-tokens a decode step of 8 requests pickles to 25 KB, of 35 requests to 109 KB. Every rank keeps the
-tables it has been sent, so a plan carries per request only how many known blocks still hold and
-the blocks after them. Any change of a table (growth, preemption, a new allocation) is a new suffix
+A plan carries each scheduled request's whole block table, which grows with its context (sizes in
+docs/BENCHMARKS.md, scripts/tp_plan_bench.py). Every rank keeps the tables it has been sent, so a plan
+carries per request only how many known blocks still hold and the blocks after them. Any change of a table (growth, preemption, a new allocation) is a new suffix
 after the longest unchanged prefix, so the receiver always rebuilds the exact table."""
 from __future__ import annotations
 
