@@ -7,8 +7,10 @@ time and the span of the profiled steps (from the trace). Random-weight model.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
+import shutil
 import tempfile
 from collections import defaultdict
 
@@ -32,6 +34,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--graphs", action="store_true", help="profile CUDA graph replays (default: eager steps)")
     p.add_argument("--warmup-steps", type=int, default=8)
+    p.add_argument("--trace-dir", default=None, help="also save each mode's trace there (MODE.json.gz)")
     args = p.parse_args()
     prompts = prompts_for(args.batch, args.context, stride=0)
     for mode in args.modes.split(","):
@@ -51,17 +54,20 @@ def main() -> None:
         total = sum(e.self_device_time_total for e in prof.key_averages()) / 1000 / args.steps
         print(f"===== {mode}: {total:.1f} ms of kernels per step (batch {args.batch}, context {args.context})")
         print(table, flush=True)
-        print_streams(prof, args.steps)
+        print_streams(prof, args.steps, args.trace_dir and os.path.join(args.trace_dir, f"{mode}.json.gz"))
         del engine
         torch.cuda.empty_cache()
 
 
-def print_streams(prof, steps: int) -> None:
-    """Busy milliseconds per step of each stream's kernels and copies, and the span they cover."""
-    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+def print_streams(prof, steps: int, keep: str | None = None) -> None:
+    """Busy milliseconds per step of each stream's kernels and copies, and the span they cover; `keep`:
+    where to save the trace (gzip-compressed)."""
+    path = os.path.join(tempfile.mkdtemp(), "trace.json.gz" if keep else "trace.json")
     prof.export_chrome_trace(path)
-    with open(path) as f:
+    with (gzip.open(path, "rt") if keep else open(path)) as f:
         events = json.load(f)["traceEvents"]
+    if keep:
+        shutil.copy(path, keep)
     busy, first, last = defaultdict(float), float("inf"), 0.0
     for e in events:
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:

@@ -219,7 +219,7 @@ class LLMEngine:
         for c in result.chunks:
             req, n = self.requests[c.request_id], len(c.token_ids)
             if not req.finished:
-                context = req.prompt_token_ids + req.output_token_ids if c.sample else []
+                context = req.tokens if c.sample else []
                 chunks.append(DraftChunk(c.request_id, c.start, c.token_ids,
                                          req.token_slice(c.start + 1, c.start + n + 1), row, c.sample, context))
             row += n

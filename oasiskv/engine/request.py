@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from oasiskv.config import SamplingParams
@@ -38,13 +39,13 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    @property
+    def tokens(self) -> TokenView:
+        """Every token so far, prompt then output, without copying them (a live view)."""
+        return TokenView(self.prompt_token_ids, self.output_token_ids)
+
     def token_slice(self, start: int, end: int) -> list[int]:
-        n = len(self.prompt_token_ids)
-        if end <= n:
-            return self.prompt_token_ids[start:end]
-        if start >= n:
-            return self.output_token_ids[start - n:end - n]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+        return self.tokens[start:end]
 
     @property
     def num_uncomputed(self) -> int:
@@ -53,3 +54,34 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+
+class TokenView(Sequence):
+    """prompt + output as one read-only sequence, without building the concatenation: a decode step
+    must not copy every request's whole context (16K tokens each) to look at its last few tokens."""
+
+    __slots__ = ("prompt", "output")
+
+    def __init__(self, prompt: list[int], output: list[int]):
+        self.prompt, self.output = prompt, output
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            n = len(self.prompt)
+            if stop <= n:
+                return self.prompt[start:stop]
+            if start >= n:
+                return self.output[start - n:stop - n]
+            return self.prompt[start:] + self.output[:stop - n]
+        size = len(self)
+        i = index + size if index < 0 else index
+        if not 0 <= i < size:
+            raise IndexError(f"token index {index} out of range for {size} tokens")
+        n = len(self.prompt)
+        return self.prompt[i] if i < n else self.output[i - n]

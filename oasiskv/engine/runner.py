@@ -1,8 +1,10 @@
 """Turns a scheduler plan (ints) into tensors, runs the model, returns logits rows to sample."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from oasiskv.engine.cuda_graph import DecodeGraphs
@@ -99,9 +101,11 @@ def order_decodes_first(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
 
 
 def block_table_tensor(tables: list[list[int]], width: int = 0) -> torch.Tensor:
-    """int32 [len(tables), width]: each list, zero-padded (width 0: the longest list's)."""
-    width = max(width, max((len(t) for t in tables), default=0))
-    out = torch.zeros(len(tables), max(width, 1), dtype=torch.int32)
-    for i, t in enumerate(tables):
-        out[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    return out
+    """int32 [len(tables), width]: each list, zero-padded (width 0: the longest list's). Built in numpy
+    in one pass: converting each list with torch.tensor took most of a decode step's host time at 16K."""
+    lengths = np.fromiter((len(t) for t in tables), dtype=np.int64, count=len(tables))
+    width = max(width, int(lengths.max(initial=0)), 1)
+    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lengths.sum()))
+    out = np.zeros((len(tables), width), dtype=np.int32)
+    out[np.arange(width)[None, :] < lengths[:, None]] = flat  # row-major: each row's list in order
+    return torch.from_numpy(out)

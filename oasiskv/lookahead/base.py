@@ -5,6 +5,7 @@ A draft source guesses, for every request that just sampled a token, the token a
 after will need; it is never emitted."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,8 @@ class DraftChunk:
     next_token_ids: list[int]  # token at position p + 1 for each chunk position p (last: the sampled one if sampled)
     row_start: int  # the chunk's rows in the captured hidden states: [row_start, row_start + len(token_ids))
     sampled: bool  # the chunk sampled a token: propose a draft for the next step
-    context: list[int]  # sampled chunks: every token of the request so far, the new one included; else []
+    context: Sequence[int]  # sampled chunks: every token of the request so far, the new one included (a view
+    #                         that is not copied: read what you need); else []
 
 
 class DraftSource:

@@ -1,6 +1,8 @@
 """Weight-free draft sources: prompt lookup (n-gram) and repeat (the current token itself)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from oasiskv.lookahead.base import DraftChunk, DraftSource
 
 
@@ -33,17 +35,29 @@ class NgramDraft(DraftSource):
     def release(self, request_id: str) -> None:
         self.tables.pop(request_id, None)
 
-    def lookup(self, request_id: str, context: list[int]) -> int:
+    def lookup(self, request_id: str, context: Sequence[int]) -> int:
         tables, done = self.tables.setdefault(request_id, ([{} for _ in range(self.max_n + 1)], [0]))
         if done[0] > len(context):  # a recompute restarted the request
             tables[:] = [{} for _ in range(self.max_n + 1)]
             done[0] = 0
-        for end in range(max(done[0], 1), len(context)):  # the n-gram ending before `end` -> context[end]
-            for n in range(self.min_n, min(self.max_n, end) + 1):
-                tables[n][tuple(context[end - n:end])] = context[end]
+        self.extend(tables, context, max(done[0], 1))
         done[0] = len(context)
+        tail = context[-self.max_n - 1:]
         for n in range(min(self.max_n, len(context) - 1), self.min_n - 1, -1):
-            follower = tables[n].get(tuple(context[-n:]))
+            follower = tables[n].get(tuple(tail[-n:]))
             if follower is not None:
                 return follower
         return context[-1]
+
+    def extend(self, tables: list[dict[tuple, int]], context: Sequence[int], start: int) -> None:
+        """Maps the n-gram ending before each position `end` in [start, len(context)) to context[end],
+        later occurrences replacing earlier ones. One copy of the new tokens (and the n-grams' heads);
+        the dicts are filled by zip, not a Python loop per token: a 16K-token prompt costs milliseconds."""
+        offset = max(start - self.max_n, 0)
+        tokens = list(context[offset:])
+        for n in range(self.min_n, self.max_n + 1):
+            first = max(start, n) - offset  # the first `end` with a whole n-gram before it, in `tokens`
+            if first >= len(tokens):
+                continue
+            heads = zip(*(tokens[first - n + i: len(tokens) - n + i] for i in range(n)))
+            tables[n].update(zip(heads, tokens[first:]))
