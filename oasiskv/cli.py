@@ -50,8 +50,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--fetch-cap", type=float, default=KV_DEFAULTS.fetch_cap,
                    help="at most this share of the budget prefetched per request per layer per step (1: no cap)")
     o.add_argument("--draft", default=KV_DEFAULTS.draft, choices=DRAFTS,
-                   help="where the lookahead token comes from (eagle3 needs --draft-model)")
-    o.add_argument("--draft-model", default=KV_DEFAULTS.draft_model, help="EAGLE-3 head directory")
+                   help="where the lookahead token comes from: ngram (prompt lookup), repeat, eagle3 (an EAGLE-3 head: "
+                        "--draft-model, shipped for the default model) or ngram+eagle3 (prompt lookup when a "
+                        "suffix of 2+ tokens occurred before, else the EAGLE-3 head)")
+    o.add_argument("--draft-model", default=KV_DEFAULTS.draft_model,
+                   help="EAGLE-3 head directory (eagle3, ngram+eagle3)")
     o.add_argument("--miss-policy", default=KV_DEFAULTS.miss_policy, choices=MISS_POLICIES,
                    help="selected blocks that were not prefetched: skip them, or fetch them synchronously")
     o.add_argument("--speculative-config", default=None,

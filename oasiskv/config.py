@@ -87,7 +87,8 @@ class CacheConfig:
 
 
 KV_MODES = ("dense", "quest", "retrieval", "oasis", "oracle")  # oracle: eval only
-DRAFTS = ("ngram", "repeat", "eagle3")
+DRAFTS = ("ngram", "repeat", "eagle3", "ngram+eagle3")
+HEAD_DRAFTS = ("eagle3", "ngram+eagle3")  # drafts that run an EAGLE-3 head (--draft-model, captured hidden states)
 MISS_POLICIES = ("skip", "fetch")
 
 
@@ -107,7 +108,7 @@ class KVConfig:
     working_set: int | None = None
     # oasis mode: a draft token runs beside each decode token; its selection is prefetched for the next step
     fetch_cap: float = 0.05  # at most fetch_cap x budget tokens prefetched per request per layer per step
-    draft: str = "ngram"  # ngram | repeat | eagle3 (needs draft_model)
+    draft: str = "ngram"  # ngram | repeat | eagle3 | ngram+eagle3 (the last two: a head, draft_model)
     draft_model: str | None = None  # EAGLE-3 head directory
     miss_policy: str = "skip"  # a selected block not resident: skip it, or fetch it synchronously
 
@@ -157,8 +158,8 @@ class KVConfig:
                              "raise the cap or the budget")
         if self.draft not in DRAFTS:
             raise ValueError(f"--draft must be one of {', '.join(DRAFTS)}, got {self.draft!r}")
-        if self.draft_model is not None and self.draft != "eagle3":
-            raise ValueError("--draft-model needs --draft eagle3")
+        if self.draft_model is not None and self.draft not in HEAD_DRAFTS:
+            raise ValueError(f"--draft-model needs --draft {' or '.join(HEAD_DRAFTS)}, got --draft {self.draft}")
         if self.miss_policy not in MISS_POLICIES:
             raise ValueError(f"--miss-policy must be one of {', '.join(MISS_POLICIES)}, got {self.miss_policy!r}")
 

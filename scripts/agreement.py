@@ -4,8 +4,9 @@ next-step selection that the previous step's prediction contained (oasis mode, g
 Texts every Python install has: the language reference prose of pydoc_data/topics.py and the source
 of the standard library's own modules. Prompts are the first CONTEXT tokens; the model continues.
 
-    PYTHONPATH=. python scripts/agreement.py --contexts 4096,8192 --drafts ngram,repeat[,eagle3 --draft-model DIR]
-        [--budget 2048] [--fetch-cap 0.05] [--working-set TOKENS] [--steps 128] [--json FILE]
+    PYTHONPATH=. python scripts/agreement.py --contexts 4096,8192 --drafts ngram,repeat[,eagle3,ngram+eagle3]
+        [--draft-model DIR] [--budget 2048] [--fetch-cap 0.05] [--working-set TOKENS] [--steps 128] [--host-kv-gb GB]
+        [--json FILE]
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import sysconfig
 import time
 
 from oasiskv.api import LLM, SamplingParams
+from oasiskv.config import HEAD_DRAFTS
 
 
 def long_texts() -> dict[str, str]:
@@ -33,8 +35,8 @@ def long_texts() -> dict[str, str]:
 
 def measure(args, draft: str, context: int, prompts: dict[str, list[int]]) -> dict:
     llm = LLM(args.model, show_progress=False, kv_mode="oasis", kv_budget=args.budget, fetch_cap=args.fetch_cap,
-              draft=draft, draft_model=args.draft_model if draft == "eagle3" else None, working_set=args.working_set,
-              max_model_len=context + args.steps + 16, max_num_batched_tokens=8192)
+              draft=draft, draft_model=args.draft_model if draft in HEAD_DRAFTS else None, working_set=args.working_set,
+              host_kv_gb=args.host_kv_gb, max_model_len=context + args.steps + 16, max_num_batched_tokens=8192)
     t = time.perf_counter()
     llm.generate(list(prompts.values()),
                  SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True), use_tqdm=False)
@@ -60,6 +62,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=128)
     p.add_argument("--working-set", type=int, default=None, help="GPU-resident tokens per request per layer "
                    "(default: the budget)")
+    p.add_argument("--host-kv-gb", type=float, default=None, help="host KV store size (default: what the machine "
+                   "can spare, capped at 2 GiB on a CPU; set it when other processes hold most of the memory)")
     p.add_argument("--json", default="results/agreement.json")
     args = p.parse_args()
     tokenizer = LLM(args.model, show_progress=False, kv_cache_gb=0.05).tokenizer
@@ -70,13 +74,17 @@ def main() -> None:
         for draft in args.drafts.split(","):
             row = measure(args, draft, context, prompts)
             rows.append(row)
-            print(f"context {context:5d}  draft {draft:7s}  agreement {row['agreement']:.4f}  hit rate "
+            print(f"context {context:5d}  draft {draft:12s}  agreement {row['agreement']:.4f}  hit rate "
                   f"{row['hit_rate']:.4f}  ({row['seconds']} s)  per layer "
                   + " ".join(f"{a:.3f}" for a in row["agreement_per_layer"]), flush=True)
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(rows, f, indent=2)
+            write(args.json, rows)  # after every row: a long run that fails later keeps what it measured
     print(f"wrote {args.json}")
+
+
+def write(path: str, rows: list[dict]) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=2)
 
 
 if __name__ == "__main__":

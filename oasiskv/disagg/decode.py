@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from oasiskv.config import DisaggConfig, EngineConfig
+from oasiskv.config import HEAD_DRAFTS, DisaggConfig, EngineConfig
 from oasiskv.disagg.export import layout_of
 from oasiskv.disagg.local import LocalChunks
 from oasiskv.disagg.remote import RemoteKV, RemoteOasisPolicy
@@ -25,9 +25,9 @@ class DecodeEngine(LLMEngine):
     def __init__(self, config: EngineConfig, disagg: DisaggConfig):
         if config.kv.mode != "oasis":
             raise ValueError("--role decode needs --kv-mode oasis")
-        if config.kv.draft == "eagle3":
-            raise ValueError("--role decode supports --draft ngram or repeat (EAGLE-3 would need the prompt's "
-                             "hidden states from the prefill instance)")
+        if config.kv.draft in HEAD_DRAFTS:
+            raise ValueError(f"--role decode supports --draft ngram or repeat, not {config.kv.draft} (its EAGLE-3 "
+                             "head would need the prompt's hidden states from the prefill instance)")
         self.disagg = disagg
         super().__init__(config)
         self.remote = RemoteKV(KVAgent("decode"), LocalChunks(self.host, disagg.remote_cache_blocks), disagg)

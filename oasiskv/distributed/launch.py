@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from tqdm.auto import tqdm
 from multiprocessing import connection as mp_connection
 
-from oasiskv.config import EngineConfig
+from oasiskv.config import HEAD_DRAFTS, EngineConfig
 from oasiskv.distributed.group import TensorParallel, current, join_group, leave_group, run_before_leave
 
 JOIN_TIMEOUT_S = 10.0
@@ -42,9 +42,9 @@ def start_tensor_parallel(config: EngineConfig, device_type: str) -> TensorParal
         return tp
     if world == 1:
         return None
-    if config.kv.draft == "eagle3" and config.kv.mode == "oasis":
-        raise ValueError("--draft eagle3 is not supported with --tensor-parallel-size > 1 (its head reads the "
-                         "full embedding); use --draft ngram or repeat")
+    if config.kv.draft in HEAD_DRAFTS and config.kv.mode == "oasis":
+        raise ValueError(f"--draft {config.kv.draft} is not supported with --tensor-parallel-size > 1 (its EAGLE-3 "
+                         "head reads the full embedding); use --draft ngram or repeat")
     rendezvous = tempfile.mkdtemp(prefix="oasiskv-tp-")
     init_file = os.path.join(rendezvous, "init")
     ctx = mp.get_context("spawn")

@@ -26,7 +26,7 @@ class DraftChunk:
 
 
 class DraftSource:
-    """Base of the draft sources (ngram, repeat, eagle3)."""
+    """Base of the draft sources (ngram, repeat, eagle3, ngram+eagle3)."""
 
     name = "base"
     # layers whose output hidden states (residual stream, before the final norm) the runner captures

@@ -5,7 +5,7 @@ import importlib.resources
 
 import torch
 
-from oasiskv.config import KVConfig
+from oasiskv.config import HEAD_DRAFTS, KVConfig
 from oasiskv.lookahead.base import DraftSource
 from oasiskv.lookahead.ngram import NgramDraft, RepeatDraft
 
@@ -20,15 +20,17 @@ def build_draft_source(kv: KVConfig, target: torch.nn.Module, device: torch.devi
         return NgramDraft()
     if kv.draft == "repeat":
         return RepeatDraft()
-    if kv.draft == "eagle3":
+    if kv.draft in HEAD_DRAFTS:
         from oasiskv.lookahead.eagle3 import Eagle3Draft
+        from oasiskv.lookahead.hybrid import NgramEagle3Draft
 
-        return Eagle3Draft.from_dir(kv.draft_model or shipped_head(model), target, device, dtype)
+        head = Eagle3Draft.from_dir(kv.draft_model or shipped_head(model, kv.draft), target, device, dtype)
+        return head if kv.draft == "eagle3" else NgramEagle3Draft(head)
     raise ValueError(f"unknown draft source {kv.draft!r}")
 
 
-def shipped_head(model: str | None) -> str:
+def shipped_head(model: str | None, draft: str = "eagle3") -> str:
     if model not in SHIPPED_HEADS:
-        raise ValueError("--draft eagle3 needs --draft-model DIR (an EAGLE-3 head for this model; "
+        raise ValueError(f"--draft {draft} needs --draft-model DIR (an EAGLE-3 head for this model; "
                          "`oasiskv train-draft` trains one); only the embedded default model has a shipped head")
     return str(importlib.resources.files("oasiskv.lookahead") / "heads" / SHIPPED_HEADS[model])

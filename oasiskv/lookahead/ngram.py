@@ -36,6 +36,12 @@ class NgramDraft(DraftSource):
         self.tables.pop(request_id, None)
 
     def lookup(self, request_id: str, context: Sequence[int]) -> int:
+        follower = self.match(request_id, context)
+        return context[-1] if follower is None else follower
+
+    def match(self, request_id: str, context: Sequence[int]) -> int | None:
+        """The token after the latest earlier occurrence of the longest matching suffix (n from max_n down
+        to min_n), or None when no suffix occurred before."""
         tables, done = self.tables.setdefault(request_id, ([{} for _ in range(self.max_n + 1)], [0]))
         if done[0] > len(context):  # a recompute restarted the request
             tables[:] = [{} for _ in range(self.max_n + 1)]
@@ -47,7 +53,7 @@ class NgramDraft(DraftSource):
             follower = tables[n].get(tuple(tail[-n:]))
             if follower is not None:
                 return follower
-        return context[-1]
+        return None
 
     def extend(self, tables: list[dict[tuple, int]], context: Sequence[int], start: int) -> None:
         """Maps the n-gram ending before each position `end` in [start, len(context)) to context[end],
