@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from oasiskv.config import ModelConfig
+from oasiskv.kernels.rms_norm import rms_norm, rms_norm_reference
 
 
 class AttentionBackend(Protocol):
@@ -28,10 +29,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # One fused Triton kernel on the GPU; the torch ops (transformers' math) on the CPU, and where
+        # autograd needs them (EAGLE-3 draft training): the kernel has no backward.
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)
+        if x.is_cuda and not needs_grad:
+            return rms_norm(x, self.weight, self.eps)
+        return rms_norm_reference(x, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

@@ -1,0 +1,103 @@
+"""RMSNorm in one launch (replaces ~8 elementwise/reduction kernels of the torch form).
+
+For every row x of the last dimension D (rows = all leading dims of ``x``), exactly as transformers'
+LlamaRMSNorm (and our RMSNorm before this kernel):
+
+  xf  = float32(x)
+  y   = xf * rsqrt(mean_d(xf[d]^2) + eps)                 (fp32)
+  out = weight * cast(y, x.dtype)                         (cast BEFORE the weight multiply)
+
+``out`` has the promoted dtype of (weight, x): bf16 x with fp32 weight gives fp32, as torch's
+``weight * y.to(x.dtype)`` does. The product is taken in fp32 and rounded once to that dtype; for
+fp32/fp16/bf16 operands the fp32 product of the two is exact, so the only rounding is the one torch
+makes too. The sum of squares is reduced in fp32 in the kernel's own order, so results agree with
+the torch reference to fp32 rounding, not bit for bit.
+
+Layouts: ``x`` [..., D] with ANY strides: the launcher views it as [A, B, D] (B = x.shape[-2], A =
+the other leading dims) through ``reshape``, which is a free view for the q/k-norm case, a
+[T, H, D] view of a slice of a wider projection output (strides (W, D, 1)); only when the dims
+before -2 cannot be merged without a copy does ``reshape`` copy. The kernel reads x through its
+three strides (the last need not be 1); ``out`` is a new contiguous tensor of x's shape.
+``weight`` is [D], any stride. fp32, fp16 and bf16 only.
+
+Dispatch: the Triton kernel runs on CUDA tensors, and on CPU tensors when this module was imported
+with ``TRITON_INTERPRET=1`` (interpreter); otherwise the torch reference runs. Engine code calls
+the reference itself on CPU tensors (RMSNorm.forward), so CPU model runs are the torch ops.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["rms_norm", "rms_norm_reference"]
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _rms_norm_kernel(out_ptr, x_ptr, w_ptr, B, s_xa, s_xb, s_xd, s_w, D, eps,
+                     BLOCK_D: tl.constexpr):
+    # One program per row; rows are numbered a * B + b, which is also the row of the contiguous out.
+    row = tl.program_id(0).to(tl.int64)
+    a = row // B
+    b = row % B
+    d = tl.arange(0, BLOCK_D)
+    m = d < D
+    x = tl.load(x_ptr + a * s_xa + b * s_xb + d * s_xd, mask=m, other=0.0)
+    xf = x.to(tl.float32)
+    ms = tl.sum(xf * xf, axis=0) / D
+    y = (xf * tl.rsqrt(ms + eps)).to(x_ptr.dtype.element_ty)  # the cast to x.dtype, before the weight
+    w = tl.load(w_ptr + d * s_w, mask=m, other=0.0)
+    out = w.to(tl.float32) * y.to(tl.float32)
+    tl.store(out_ptr + row * D + d, out.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension ([..., D])")
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"weight must be [D] = [{x.shape[-1]}] (x's last dim), got {tuple(weight.shape)}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"x dtype must be fp32, fp16 or bf16, got {x.dtype}")
+    if weight.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"weight dtype must be fp32, fp16 or bf16, got {weight.dtype}")
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device}, x on {x.device}")
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Torch twin of :func:`rms_norm`: the very ops of transformers' LlamaRMSNorm (no checks, so it
+    stays exactly what RMSNorm.forward always ran)."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def _triton_runs(device: torch.device) -> bool:
+    # The interpreter is chosen when triton.jit runs (module import), so ask the kernel object.
+    return device.type == "cuda" or type(_rms_norm_kernel).__name__ == "InterpretedFunction"
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of every row of ``x`` [..., D] with ``weight`` [D] (see the module docstring).
+
+    Returns a new contiguous tensor of x's shape, in the promoted dtype of (weight, x). Not
+    differentiable on the Triton path: callers that need gradients use :func:`rms_norm_reference`.
+    """
+    _check(x, weight)
+    if not _triton_runs(x.device):
+        return rms_norm_reference(x, weight, eps)
+    d = x.shape[-1]
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if out.numel() == 0:
+        return out
+    b = x.shape[-2] if x.dim() >= 2 else 1
+    x3 = x.reshape(-1, b, d)  # a view unless the dims before -2 cannot merge (then a copy)
+    block_d = triton.next_power_of_2(d)
+    _rms_norm_kernel[(x3.shape[0] * b,)](
+        out, x3, weight, b, x3.stride(0), x3.stride(1), x3.stride(2), weight.stride(0), d, float(eps),
+        BLOCK_D=block_d, num_warps=min(max(block_d // 256, 1), 8),
+    )
+    return out
