@@ -4,6 +4,8 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # CPU-only machines take the CPU build of torch that lies on disk; a bare `torch` would pull CUDA.
 TORCH  := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.11" || echo "torch==2.13.0")
+# pytest-xdist processes: most tests are bound by one core's Python, so two workers use both cores
+TEST_WORKERS ?= 2
 DEMO_PROMPT ?= Who is Mr. Bingley, and what does Mrs. Bennet hope for? Answer in two sentences.
 DEMO_TEXT   ?= oasiskv/evals/sample_pride_and_prejudice.txt
 # oasis mode on a ~2K-token passage: a 512-token budget makes attention sparse, the n-gram draft
@@ -26,7 +28,7 @@ demo: $(STAMP)
 		--max-tokens 96 --temperature 0 $(DEMO_FLAGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 clean:
 	rm -rf $(VENV)

@@ -16,7 +16,7 @@ from oasiskv.lookahead.draft_data import stdlib_prompts
 from tests.test_sparse_modes import PROMPTS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-SPARSE = dict(kv_budget=64, sink_blocks=1, local_blocks=1, kv_cache_gb=0.2, max_num_batched_tokens=256)
+SPARSE = dict(kv_budget=64, sink_blocks=1, local_blocks=1, kv_cache_gb=0.2, host_kv_gb=0.5, max_num_batched_tokens=256)
 
 
 class TeacherDraft(DraftSource):
