@@ -3,6 +3,8 @@ head. Its proposals equal a brute-force reading of that rule; in the engine the 
 target alone; the places that refuse an EAGLE-3 head refuse it too."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from oasiskv.cli import engine_config, parser
 from oasiskv.config import CacheConfig, DisaggConfig, EngineConfig, KVConfig, SamplingParams, SchedulerConfig
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.lookahead.eagle3 import Eagle3Draft
-from oasiskv.lookahead.factory import build_draft_source
+from oasiskv.lookahead.factory import build_draft_source, shipped_head
 from oasiskv.lookahead.hybrid import NgramEagle3Draft
 from oasiskv.lookahead.ngram import NgramDraft
 
@@ -146,3 +148,11 @@ def test_disaggregated_decode_refuses_the_hybrid():
 
     with pytest.raises(ValueError, match=r"--role decode supports --draft ngram or repeat, not ngram\+eagle3"):
         DecodeEngine(EngineConfig(kv=KVConfig(mode="oasis", draft="ngram+eagle3")), DisaggConfig(role="decode"))
+
+
+def test_the_embedded_model_given_by_path_gets_its_shipped_head(tmp_path):
+    default = shipped_head(None)
+    assert shipped_head(str(tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"), "ngram+eagle3") == default
+    assert os.path.isfile(os.path.join(default, "config.json"))
+    with pytest.raises(ValueError, match="needs --draft-model DIR"):
+        shipped_head(str(tmp_path / "other.gguf"))

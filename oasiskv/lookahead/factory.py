@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import importlib.resources
+import os
 
 import torch
 
 from oasiskv.config import HEAD_DRAFTS, KVConfig
 from oasiskv.lookahead.base import DraftSource
 from oasiskv.lookahead.ngram import NgramDraft, RepeatDraft
+from oasiskv.models.loader import DEFAULT_GGUF
 
 
 # EAGLE-3 heads we trained and ship, by the target they serve (None: the embedded default model)
@@ -30,6 +32,8 @@ def build_draft_source(kv: KVConfig, target: torch.nn.Module, device: torch.devi
 
 
 def shipped_head(model: str | None, draft: str = "eagle3") -> str:
+    if model is not None and os.path.basename(model) == DEFAULT_GGUF:  # the embedded model's file, given by path
+        model = None
     if model not in SHIPPED_HEADS:
         raise ValueError(f"--draft {draft} needs --draft-model DIR (an EAGLE-3 head for this model; "
                          "`oasiskv train-draft` trains one); only the embedded default model has a shipped head")
