@@ -1,6 +1,6 @@
 """How many torch ops (on the GPU: kernels, each a node of the decode step's CUDA graph) one steady
 decode step issues, per policy function, on the CPU with the policies' GPU code paths forced in
-(Triton kernels under TRITON_INTERPRET=1, as tests/test_kernels_in_engine.py does). A captured step
+(Triton kernels under TRITON_INTERPRET=1: tests/gpu_paths.py). A captured step
 is launch-bound when it holds thousands of tiny kernels, so this is the inventory to fuse from.
 
     PYTHONPATH=. python scripts/count_step_ops.py [--modes quest,oasis] [--top 30]
@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.helpers import write_tiny_config  # noqa: E402
-from tests.test_kernels_in_engine import RUN  # noqa: E402
+from tests.gpu_paths import force_gpu_kernel_paths  # noqa: E402
 
 SKIP = {"aten.detach.default", "aten.view.default", "aten._unsafe_view.default", "aten.alias.default",
         "aten.unsqueeze.default", "aten.squeeze.dim", "aten.t.default", "aten.expand.default",
@@ -90,10 +90,10 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     tiny = write_tiny_config(tempfile.mkdtemp())
-    setup = RUN.split("cfg = EngineConfig")[0]  # the forcing of the GPU paths, without the run
-    namespace = {}
-    sys.argv = ["count", tiny, "0", "1"]
-    exec(setup, namespace)
+    force_gpu_kernel_paths()
+    import oasiskv.models.llama as llama
+    from oasiskv.kernels.rms_norm import rms_norm
+    llama.rms_norm_reference = rms_norm  # RMSNorm as on CUDA: the kernel (interpreted here), one launch
     active: list = [None]
     count_triton_launches(lambda: active[0])
     with open(os.path.join(tiny, "config.json")) as f:

@@ -31,25 +31,8 @@ RUN = textwrap.dedent('''
     from oasiskv.engine.engine import LLMEngine
     tiny, lengths, forced = sys.argv[1], [int(x) for x in sys.argv[2].split(",")], sys.argv[3] == "1"
     if forced:  # what the policies call on CUDA, in place of the torch twins they call on the CPU
-        import oasiskv.policies.oasis as op, oasiskv.policies.sparse as sp, oasiskv.policies.tiered as tp
-        from oasiskv.kernels import block_select, block_topk, host_gather, residency, sparse_decode, tail_append
-        from oasiskv.kv import summaries, working_set
-        sp.select_blocks_padded = block_topk.select_blocks_fused
-        sp.block_scores_reference = block_select.block_scores
-        sp.sparse_decode_padded_reference = op.sparse_decode_padded_reference = \\
-            sparse_decode.sparse_decode_attention_padded
-        op.predict_prefetch_reference = block_topk.predict_prefetch
-        op.resident_selection_reference = residency.resident_selection
-        tp.append_to_tails_reference = tail_append.append_to_tails
-        tp.gather_host_blocks_reference = lambda host, pool, *copies: host_gather.gather_host_blocks(
-            host, pool, *copies, programs=op.OasisPolicy.PREFETCH_PROGRAMS)
-        ws_init, sum_init = working_set.WorkingSet.__init__, summaries.BlockSummaries.__init__
-        def fused_ws(self, *a, **k):
-            ws_init(self, *a, **{**k, "fused": True})
-        def triton_summaries(self, *a, **k):
-            sum_init(self, *a, **k)
-            self.use_triton = True
-        working_set.WorkingSet.__init__, summaries.BlockSummaries.__init__ = fused_ws, triton_summaries
+        from tests.gpu_paths import force_gpu_kernel_paths
+        force_gpu_kernel_paths()
     cfg = EngineConfig(model=tiny, load_format="dummy", show_progress=False,
                        kv=KVConfig(mode="oasis", budget=64, sink_blocks=1, local_blocks=1, fetch_cap=0.5,
                                    host_kv_gb=0.002),

@@ -66,8 +66,8 @@ class DecodeEngine(LLMEngine):
         self.remote.attach(req.request_id, p, req.block_ids, self.policy.summaries)
         req.num_computed_tokens = n
         if not self.append_token(req, int(p["first_token_id"])) and self.drafter is not None:
-            context = req.prompt_token_ids + req.output_token_ids
-            chunk = DraftChunk(req.request_id, 0, req.prompt_token_ids, context[1:], 0, True, context)
+            chunk = DraftChunk(req.request_id, 0, req.prompt_token_ids, req.token_slice(1, n + 1), 0, True,
+                               req.tokens)
             req.draft_token_id = self.drafter.propose([chunk], []).get(req.request_id)
 
     # -- the loop ------------------------------------------------------------------------------------------
