@@ -91,6 +91,7 @@ class OasisPolicy(TieredPolicy):
         self.decode_steps = 0
         self.layer_ids = torch.arange(layers, device=self.pool.kv.device)
         self.waiting: list[tuple[int, torch.Tensor]] = []  # (layer, draft queries) not yet predicted from
+        self.group_ends = self.prediction_group_ends(layers)
         names = {"selected": "selected_blocks"}  # kernels/residency.py's counters -> ours
         self.residency_counters = torch.tensor([self.counter_index[names.get(c, c)] for c in RESIDENCY_COUNTERS],
                                                device=self.pool.kv.device)
@@ -121,6 +122,28 @@ class OasisPolicy(TieredPolicy):
         if self.clock:
             self.clock.collect()
 
+    def prediction_group_ends(self, layers: int) -> frozenset[int]:
+        """The layers after which the waiting group is predicted: every PREDICT_GROUP sparse layers,
+        and the last layer on its own, so that the prediction left after the last layer (the step
+        ends only when its copies do) is one layer's, beside the final norm and the logits."""
+        first = self.cfg.dense_layers
+        ends = {layer for layer in range(first, layers) if (layer - first + 1) % self.PREDICT_GROUP == 0}
+        return frozenset(e for e in ends | {layers - 2, layers - 1} if e >= first)
+
+    def graph_splits(self, num_layers: int, layers_per_graph: int) -> list[int]:
+        """A split joins the copy stream, so one right after a prediction group would wait for that
+        group's copies: each split moves to at least half a group after the latest group end."""
+        def too_close(split: int) -> bool:
+            return any(0 <= split - end < self.PREDICT_GROUP // 2 for end in self.group_ends)
+
+        moved = set()
+        for split in super().graph_splits(num_layers, layers_per_graph):
+            while too_close(split):
+                split += 1
+            if split < num_layers - 1:
+                moved.add(split)
+        return sorted(moved)
+
     def graph_key(self):
         """Captured: steps without a cold request (its first decode fetches every miss); whether a draft
         opens a block is baked in."""
@@ -145,7 +168,7 @@ class OasisPolicy(TieredPolicy):
             self.spill_full_tails(layer, fill, tail_slots, tail_host)
         if not dense:
             self.waiting.append((layer, q[real:]))
-            if len(self.waiting) == self.PREDICT_GROUP or layer == len(self.layer_ids) - 1:
+            if layer in self.group_ends:
                 self.predict_and_prefetch(self.rows_now)
         self.flush_counts(layer)
 
