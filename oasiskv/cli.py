@@ -34,9 +34,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=SCHED_DEFAULTS.max_model_len)
     g.add_argument("--enforce-eager", action="store_true", default=ENGINE_DEFAULTS.enforce_eager,
                    help="never replay CUDA graphs (on the GPU, decode-only steps replay them by default)")
-    g.add_argument("--graph-layers", type=int, default=ENGINE_DEFAULTS.graph_layers,
-                   help="layers per captured CUDA graph of a decode step: the GPU runs one piece while the "
-                        "host launches the next (0: the whole step in one graph)")
     k = p.add_argument_group("sparse KV")
     k.add_argument("--kv-mode", default=KV_DEFAULTS.mode, choices=KV_MODES,
                    help="oracle: exact attention mass picks the blocks (eval only: the upper bound)")
@@ -94,8 +91,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                   fetch_cap=args.fetch_cap, draft=draft, draft_model=draft_model, miss_policy=args.miss_policy)
     return EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
                         seed=args.seed, tensor_parallel_size=args.tensor_parallel_size, cache=cache, kv=kv,
-                        scheduler=sched, show_progress=True, enforce_eager=args.enforce_eager,
-                        graph_layers=args.graph_layers)
+                        scheduler=sched, show_progress=True, enforce_eager=args.enforce_eager)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -225,7 +225,6 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     show_progress: bool = True
     enforce_eager: bool = False  # False: decode-only steps on the GPU replay CUDA graphs
-    graph_layers: int = 3  # layers per captured graph piece of a decode step (0: one graph per step)
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

@@ -43,11 +43,8 @@ COUNTERS = ("kv_selected_blocks", "kv_hits", "kv_misses", "kv_prefetched_blocks"
             "kv_agree_hits", "kv_agree_total")
 
 
-def engine_for(args, mode: str, eager: bool, dtype: str, context: int, steps: int, graph_layers: int | None = None,
-               **kv) -> LLMEngine:
-    pieces = {} if graph_layers is None else {"graph_layers": graph_layers}
+def engine_for(args, mode: str, eager: bool, dtype: str, context: int, steps: int, **kv) -> LLMEngine:
     cfg = EngineConfig(model=args.model, load_format="dummy", dtype=dtype, show_progress=False, enforce_eager=eager,
-                       **pieces,
                        kv=KVConfig(mode=mode, budget=args.budget, host_kv_gb=args.host_gb, **kv),
                        cache=CacheConfig(gpu_memory_gb=args.gpu_gb),
                        scheduler=SchedulerConfig(max_num_batched_tokens=16384, max_model_len=context + steps + 64))
@@ -117,13 +114,12 @@ def time_steps(args) -> list[dict]:
     rows = []
     prompts = prompts_for(args.time_batch, args.time_context, stride=0)
     host_modes = ("oasis", "retrieval")
-    variants = [(mode, eager, group, programs, ws, layers) for mode in args.time_modes.split(",")
+    variants = [(mode, eager, group, programs, ws) for mode in args.time_modes.split(",")
                 for eager in ((False, True) if args.time_eager else (False,))
-                for layers in [int(n) for n in args.graph_layers.split(",")]
                 for group in ([int(g) for g in args.predict_groups.split(",")] if mode == "oasis" else [None])
                 for programs in ([int(p) for p in args.prefetch_programs.split(",")] if mode == "oasis" else [None])
                 for ws in ([int(w) or None for w in args.working_sets.split(",")] if mode in host_modes else [None])]
-    for mode, eager, group, programs, ws, layers in variants:
+    for mode, eager, group, programs, ws in variants:
         kv = {"fetch_cap": args.fetch_cap} if mode == "oasis" else {}
         kv.update({"working_set": ws} if ws else {})
         if group:
@@ -131,7 +127,7 @@ def time_steps(args) -> list[dict]:
         if programs is not None:
             OasisPolicy.PREFETCH_PROGRAMS = programs
         total = args.time_steps + args.warmup_steps + args.time_batch + 8  # none finishes while timed
-        engine = engine_for(args, mode, eager, "bfloat16", args.time_context, total, layers, **kv)
+        engine = engine_for(args, mode, eager, "bfloat16", args.time_context, total, **kv)
         params = SamplingParams(temperature=0, max_tokens=total, ignore_eos=True)
         for p in prompts:
             engine.add_request(p, params)
@@ -148,7 +144,7 @@ def time_steps(args) -> list[dict]:
         torch.cuda.synchronize()
         ms = (time.perf_counter() - t) / n * 1000
         st = engine.stats_dict()
-        row = {"mode": mode, "cuda_graphs": not eager, "graph_layers": layers, "predict_group": group, "prefetch_programs": programs,
+        row = {"mode": mode, "cuda_graphs": not eager, "predict_group": group, "prefetch_programs": programs,
                "working_set": ws,
                "batch": args.time_batch,
                "context": args.time_context,
@@ -185,8 +181,6 @@ def main() -> None:
                    "per block), one timing run each")
     p.add_argument("--working-sets", default="0", help="retrieval/oasis: --working-set values in tokens (0: the "
                    "budget), one timing run each")
-    p.add_argument("--graph-layers", default="3", help="layers per captured graph piece (0: one graph per "
-                   "step), one timing run each")
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--check-modes", default="dense,quest,retrieval,oasis")
     p.add_argument("--json", default=None)

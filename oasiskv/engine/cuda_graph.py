@@ -9,12 +9,6 @@ and the identity of every input tensor. So:
   - the policy names the per-step tensors its begin_step makes (STEP_TENSORS), copied in before replay;
   - a key seen for the first time runs eagerly (Triton compiles, the allocator warms up); the second
     time it is captured (capturing records, it does not run) and then replayed.
-
-A step is captured as several graphs, each a few layers (the policy says where to split), replayed in
-order on one stream. cudaGraphLaunch holds the host for about a microsecond per node and the GPU
-starts a graph only once its launch returns: with one graph per step, the GPU idled through the
-whole launch (2.6 ms of a 12.4 ms quest step on the H200); with pieces, it runs the first while the
-host launches the rest.
 """
 from __future__ import annotations
 
@@ -31,7 +25,7 @@ META_TENSORS = ("slot_blocks", "slot_offsets", "decode_block_tables", "decode_se
 
 @dataclass
 class CapturedStep:
-    graphs: list[torch.cuda.CUDAGraph]  # the step's pieces, replayed in order
+    graph: torch.cuda.CUDAGraph
     inputs: dict[str, torch.Tensor]  # ids, positions and the metadata tensors the capture read
     step_tensors: dict[str, torch.Tensor]  # the policy's STEP_TENSORS as captured
     logits: torch.Tensor  # [num_decode, vocab] fp32, rewritten by each replay
@@ -46,12 +40,9 @@ class CapturedStep:
 
 
 class DecodeGraphs:
-    def __init__(self, model: CausalLM, policy: KVPolicy, max_graphs: int = 32, layers_per_graph: int = 3):
-        """layers_per_graph: layers per captured piece (0: the whole step in one graph)."""
+    def __init__(self, model: CausalLM, policy: KVPolicy, max_graphs: int = 32):
         self.model, self.policy, self.max_graphs = model, policy, max_graphs
-        self.splits = frozenset(policy.graph_splits(len(model.model.layers), layers_per_graph))
-        self.pool = torch.cuda.graph_pool_handle()  # shared: graphs (and pieces) never run at the same time
-        self.capture_stream = torch.cuda.Stream()
+        self.pool = torch.cuda.graph_pool_handle()  # shared: graphs never run at the same time
         self.graphs: OrderedDict[tuple, CapturedStep] = OrderedDict()
         self.seen: set[tuple] = set()
         self.counts = {"cuda_graph_replays": 0, "cuda_graph_captures": 0}
@@ -61,8 +52,7 @@ class DecodeGraphs:
         NCCL's teardown hangs while graphs that captured its kernels exist (pytorch/pytorch#115388)."""
         torch.cuda.synchronize()
         for step in self.graphs.values():
-            for graph in step.graphs:
-                graph.reset()
+            step.graph.reset()
         self.graphs.clear()
         self.seen.clear()
 
@@ -84,41 +74,20 @@ class DecodeGraphs:
             self.graphs.move_to_end(key)
             step.load(ids, positions, meta, self.policy)
         self.policy.before_replay()
-        for graph in step.graphs:
-            graph.replay()
+        step.graph.replay()
         self.counts["cuda_graph_replays"] += 1
         return step.logits, step.captured
 
     def capture(self, key, ids, positions, meta, capture_layers) -> CapturedStep:
-        graphs: list[torch.cuda.CUDAGraph] = []
-
-        def begin() -> None:
-            graphs.append(torch.cuda.CUDAGraph())
-            graphs[-1].capture_begin(pool=self.pool)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
             self.policy.begin_capture()
-
-        def end() -> None:
-            try:
-                self.policy.end_capture()
-            finally:  # a failed capture must still be closed, or the stream stays in capture mode
-                graphs[-1].capture_end()
-
-        def split_after(layer: int) -> None:
-            if layer in self.splits:
-                end()
-                begin()
-
-        torch.cuda.synchronize()
-        with torch.cuda.stream(self.capture_stream):
-            begin()
-            try:
-                hidden, captured = self.model(ids, positions, self.policy, capture_layers, split_after)
-                logits = self.model.logits(hidden[: meta.num_decode])
-            finally:
-                end()
+            hidden, captured = self.model(ids, positions, self.policy, capture_layers)
+            logits = self.model.logits(hidden[: meta.num_decode])
+            self.policy.end_capture()
         inputs = {"ids": ids, "positions": positions, **{name: getattr(meta, name) for name in META_TENSORS}}
         step_tensors = {name: getattr(self.policy, name) for name in self.policy.STEP_TENSORS}
-        step = CapturedStep(graphs, inputs, step_tensors, logits, captured)
+        step = CapturedStep(graph, inputs, step_tensors, logits, captured)
         self.graphs[key] = step
         if len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)

@@ -90,7 +90,7 @@ class LLMEngine:
         self.kv_description = kv.description
         sched_cfg = dataclasses.replace(config.scheduler, max_num_seqs=kv.max_running)
         self.scheduler = Scheduler(sched_cfg, self.allocator, self.block_size, self.max_model_len)
-        graphs = DecodeGraphs(self.model, self.policy, layers_per_graph=config.graph_layers) if use_graphs else None
+        graphs = DecodeGraphs(self.model, self.policy) if use_graphs else None
         if graphs is not None and self.tp:
             self.tp.before_leave.append(weakref.WeakMethod(graphs.release))
         self.runner = ModelRunner(self.model, self.policy, self.block_size, self.device, graphs,

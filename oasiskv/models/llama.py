@@ -7,7 +7,7 @@ hands its q, k, v to an attention backend (the KV policy), which owns the cache.
 from __future__ import annotations
 
 import math
-from typing import Callable, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -158,11 +158,9 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         backend: AttentionBackend,
         capture_layers: Sequence[int] = (),
-        after_layer: Callable[[int], None] | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """input_ids, positions: [T]. Returns (final normed hidden [T, H], hidden states after each
-        layer in capture_layers (the inputs EAGLE-3 needs)). after_layer(i), if given, runs after
-        layer i (the CUDA graph capture splits the step there)."""
+        layer in capture_layers (the inputs EAGLE-3 needs))."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         captured = []
@@ -170,8 +168,6 @@ class CausalLM(nn.Module):
             x = layer(x, cos, sin, backend)
             if i in capture_layers:
                 captured.append(x)
-            if after_layer is not None:
-                after_layer(i)
         return self.model.norm(x), captured
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

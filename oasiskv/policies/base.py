@@ -63,13 +63,6 @@ class KVPolicy:
         """After begin_step: a hashable description of this step's captured code, or None (eager)."""
         return None
 
-    def graph_splits(self, num_layers: int, layers_per_graph: int) -> list[int]:
-        """The layers after which a captured step starts a new graph (engine/cuda_graph.py): every
-        layers_per_graph layers (none for 0). A split joins every stream the piece forked."""
-        if layers_per_graph <= 0:
-            return []
-        return list(range(layers_per_graph - 1, num_layers - 1, layers_per_graph))
-
     def before_replay(self) -> None:
         """Before a graph replay: order it after work that eager steps left on other streams."""
 

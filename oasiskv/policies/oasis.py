@@ -130,20 +130,6 @@ class OasisPolicy(TieredPolicy):
         ends = {layer for layer in range(first, layers) if (layer - first + 1) % self.PREDICT_GROUP == 0}
         return frozenset(e for e in ends | {layers - 2, layers - 1} if e >= first)
 
-    def graph_splits(self, num_layers: int, layers_per_graph: int) -> list[int]:
-        """A split joins the copy stream, so one right after a prediction group would wait for that
-        group's copies: each split moves to at least half a group after the latest group end."""
-        def too_close(split: int) -> bool:
-            return any(0 <= split - end < self.PREDICT_GROUP // 2 for end in self.group_ends)
-
-        moved = set()
-        for split in super().graph_splits(num_layers, layers_per_graph):
-            while too_close(split):
-                split += 1
-            if split < num_layers - 1:
-                moved.add(split)
-        return sorted(moved)
-
     def graph_key(self):
         """Captured: steps without a cold request (its first decode fetches every miss); whether a draft
         opens a block is baked in."""
