@@ -1,16 +1,19 @@
-"""Makes the KV policies call, on CPU tensors, the Triton kernels they call on CUDA (in place of the torch
-twins they call on the CPU), so the engine's GPU code paths run under TRITON_INTERPRET=1. Used by
-tests/test_kernels_in_engine.py and scripts/count_step_ops.py; call it before building an engine."""
+"""Makes the KV policies and the model's rotary call, on CPU tensors, the Triton kernels they call on CUDA
+(in place of the torch twins they call on the CPU), so the engine's GPU code paths run under
+TRITON_INTERPRET=1. Used by tests/test_kernels_in_engine.py and scripts/count_step_ops.py; call it
+before building an engine."""
 from __future__ import annotations
 
 
 def force_gpu_kernel_paths() -> None:
+    import oasiskv.models.llama as llama
     import oasiskv.policies.oasis as op
     import oasiskv.policies.sparse as sp
     import oasiskv.policies.tiered as tp
-    from oasiskv.kernels import block_select, block_topk, host_gather, residency, sparse_decode, tail_append
+    from oasiskv.kernels import block_select, block_topk, host_gather, residency, rotary, sparse_decode, tail_append
     from oasiskv.kv import summaries, working_set
 
+    llama.apply_rotary_qk_reference = rotary.apply_rotary_qk  # bit for bit the torch ops, so tokens stay equal
     sp.select_blocks_padded = block_topk.select_blocks_fused
     sp.block_scores_reference = block_select.block_scores
     sp.sparse_decode_padded_reference = op.sparse_decode_padded_reference = \

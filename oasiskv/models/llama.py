@@ -15,6 +15,7 @@ from torch import nn
 
 from oasiskv.config import ModelConfig
 from oasiskv.kernels.rms_norm import rms_norm, rms_norm_reference
+from oasiskv.kernels.rotary import apply_rotary_qk, apply_rotary_qk_reference
 
 
 class AttentionBackend(Protocol):
@@ -75,12 +76,6 @@ class Rotary(nn.Module):
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -104,7 +99,13 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # One Triton launch for q and k on the GPU (bit for bit the torch ops); the torch ops on the
+        # CPU, and where autograd needs them (EAGLE-3 draft training): the kernel has no backward.
+        needs_grad = torch.is_grad_enabled() and any(a.requires_grad for a in (q, k, cos, sin))
+        if q.is_cuda and not needs_grad:
+            q, k = apply_rotary_qk(q, k, cos, sin)
+        else:
+            q, k = apply_rotary_qk_reference(q, k, cos, sin)
         out = backend.attend(self.layer, q, k, v)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
