@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from oasiskv.kernels.sparse_decode import (sparse_decode_attention, sparse_decode_attention_padded,  # noqa: E402
-                                           sparse_decode_reference)
+                                           sparse_decode_padded_reference, sparse_decode_reference)
 
 from tests.kernel_device import DEV, ON_GPU  # noqa: E402
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
@@ -293,3 +293,43 @@ def test_padded_all_holes_gives_zeros():
     q, kv, tables, _, _, lens, scale = args
     padded = torch.full((1, 3), -1, dtype=torch.int32, device=q.device)
     assert (sparse_decode_attention_padded(q, kv, tables, padded, lens, scale) == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [([32, 70, 16], 8, 2, 32, 16), ([47, 16], 4, 4, 16, 16), ([64, 9], 6, 2, 32, 8)],
+                         ids=lambda s: f"g{s[1] // s[2]}_bs{s[4]}_d{s[3]}")
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_two_queries_per_sequence(dtype, shape, num_splits):
+    """Oasis's x_t (seq_len tokens) and its draft (one more) in one launch: each row equals the float64
+    brute force at its own length, and the kernel's x_t rows equal a launch of x_t alone. Lengths with
+    seq_len % block_size == 0 put the draft's token in a block x_t must not see at all."""
+    lens, hq, hkv, d, bs = shape
+    args, _, _ = make_case([n + 1 for n in lens], hq, hkv, d, bs, dtype, seed=hq * d)  # the draft's token too
+    _, kv, tables, indptr, indices, _, scale = args
+    gen = torch.Generator().manual_seed(d)
+    q = torch.randn(2 * len(lens), hq, d, generator=gen).to(dtype).to(DEV)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    width = max(int((indptr[1:] - indptr[:-1]).max()), 1) + 2
+    selection = as_padded(indptr, indices, width, seed=hq)
+    b = len(lens)
+    for impl in (sparse_decode_attention_padded, sparse_decode_padded_reference):
+        tuning = {"num_splits": num_splits} if impl is sparse_decode_attention_padded else {}
+        out = impl(q, kv, tables, selection, seq_lens, scale, num_queries=2, **tuning)
+        assert out.shape == q.shape
+        for i in range(2):
+            ref = bruteforce_f64(q[i * b:(i + 1) * b], kv, tables, indptr, indices, seq_lens + i, scale)
+            assert rel_err(out[i * b:(i + 1) * b], ref) < TOL[dtype] * 2, (impl.__name__, i)
+    alone = sparse_decode_attention_padded(q[:b], kv, tables, selection, seq_lens, scale, num_splits=num_splits)
+    fused = sparse_decode_attention_padded(q, kv, tables, selection, seq_lens, scale, num_queries=2,
+                                           num_splits=num_splits)
+    assert torch.equal(fused[:b], alone)
+
+
+def test_num_queries_must_divide_the_rows():
+    args, _, _ = make_case([40], 4, 2, 32, 16, torch.float32, seed=4)
+    q, kv, tables, _, _, lens, scale = args
+    selection = torch.zeros((1, 2), dtype=torch.int32, device=q.device)
+    with pytest.raises(ValueError, match="num_queries"):
+        sparse_decode_attention_padded(torch.cat([q, q, q]), kv, tables, selection, lens, scale, num_queries=2)
+    with pytest.raises(ValueError, match="num_queries must be >= 1"):
+        sparse_decode_attention_padded(q, kv, tables, selection, lens, scale, num_queries=0)

@@ -15,6 +15,12 @@ Inputs (one layer):
 Output [B, Hq, D] in q's dtype. Query head h reads KV head h // (Hq // Hkv); all query heads of a
 sequence share its selection. A sequence with an empty selection gets a zero output.
 
+Several queries per sequence (padded form, ``num_queries`` = n > 1): q holds n rows per sequence,
+stacked [n * B, Hq, D] (every sequence's first query, then every second one...), and query i of
+sequence b attends to the same selected blocks but sees their first seq_lens[b] + i tokens: the
+queries sit at consecutive positions, as oasis's x_t and its draft one past it. The K/V of each
+selected block are read once for all n queries (they share the program's rows of tl.dot).
+
 GPU design (split-K flash decoding): the grid is (batch, kv head, split). Each program serves all
 query heads of one GQA group (padded to >= 16 rows, the M dimension of tl.dot), walks its share of the
 sequence's CSR list a few blocks at a time with an online softmax in fp32 and writes a partial output
@@ -43,11 +49,12 @@ _LOG2E = 1.4426950408889634
 def _sparse_decode_split_kernel(
     q_ptr, kv_ptr, bt_ptr, indptr_ptr, indices_ptr, seqlen_ptr, ws_ptr, out_ptr,
     qk_scale,      # softmax scale * log2(e)
+    num_seqs,      # B: query i of sequence b is row i * B + b of q / out
     num_splits,
     lse_off,       # where the log-sum-exps start in the fp32 workspace
     stride_slot,   # kv_layer.stride(0); the rest of kv_layer is contiguous
     stride_bt,     # block_tables.stride(0)
-    HQ: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, HKV: tl.constexpr,
+    HQ: tl.constexpr, GROUP: tl.constexpr, NQ: tl.constexpr, G_PAD: tl.constexpr, HKV: tl.constexpr,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr,
     DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr, PADDED: tl.constexpr,
@@ -75,9 +82,10 @@ def _sparse_decode_split_kernel(
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
     t = tl.arange(0, T)
-    g_mask = g < GROUP
+    g_mask = g < NQ * GROUP
     d_mask = d < HEAD_DIM
-    rows = b * HQ + kvh * GROUP + g  # (sequence, query head) rows of q / out
+    query = g // GROUP  # program row g: head g % GROUP of the sequence's query `query`
+    rows = (query * num_seqs + b) * HQ + kvh * GROUP + g % GROUP  # (query row, head) rows of q / out
     qo_mask = g_mask[:, None] & d_mask[None, :]
     q = tl.load(q_ptr + rows[:, None] * HEAD_DIM + d[None, :], mask=qo_mask, other=0.0)
 
@@ -103,7 +111,8 @@ def _sparse_decode_split_kernel(
             logical = tl.load(indices_ptr + sel_pos, mask=sel_pos < my_end, other=-1)
             row_ok = logical >= 0
             slot = tl.load(bt_row + logical, mask=row_ok, other=0)
-        tok_ok = row_ok & (logical * BLOCK_SIZE + t_tok < seq_len)
+        pos = logical * BLOCK_SIZE + t_tok
+        tok_ok = row_ok & (pos < seq_len + NQ - 1)  # seen by the last query
         row_off = slot.to(tl.int64) * stride_slot + t_tok * STRIDE_TOK
         ld_mask = tok_ok[:, None] & d_mask[None, :]
         k = tl.load(kv_ptr + row_off[:, None] + head_off, mask=ld_mask, other=0.0)
@@ -115,7 +124,7 @@ def _sparse_decode_split_kernel(
             slot = tl.load(bt_row + logical, mask=row_ok, other=0)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(tok_ok[None, :], s, float("-inf"))
+        s = tl.where(tok_ok[None, :] & (pos[None, :] < seq_len + query[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -129,7 +138,7 @@ def _sparse_decode_split_kernel(
         tl.store(out_ptr + rows[:, None] * HEAD_DIM + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=qo_mask)
     else:
-        part = rows * num_splits + split  # workspace row: [B * HQ, num_splits]
+        part = rows * num_splits + split  # workspace row: [NQ * B * HQ, num_splits]
         tl.store(ws_ptr + part[:, None] * HEAD_DIM + d[None, :], o, mask=qo_mask)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))  # -inf: split saw no token
         tl.store(ws_ptr + lse_off + part, lse, mask=g_mask)
@@ -261,35 +270,63 @@ def sparse_decode_attention_padded(
     seq_lens: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    num_queries: int = 1,
     **tuning,
 ) -> torch.Tensor:
     """sparse_decode_attention with the selection as a padded table: `selection` int32 [B, K] of
-    logical block ids, -1 = none (anywhere in a row, in any order). No CSR conversion is needed."""
-    if selection.dim() != 2 or selection.shape[0] != q.shape[0]:
-        raise ValueError(f"selection must be [B={q.shape[0]}, K], got shape {tuple(selection.shape)}")
-    b, k = selection.shape
+    logical block ids, -1 = none (anywhere in a row, in any order). No CSR conversion is needed.
+    num_queries: q rows per sequence, stacked [num_queries * B, Hq, D] (module docstring)."""
+    nseq = _check_queries(q, selection, num_queries)
     flat = selection.contiguous().view(-1)
     if not _use_triton(q):
-        result = sparse_decode_padded_reference(q, kv_layer, block_tables, selection, seq_lens, scale)
+        result = sparse_decode_padded_reference(q, kv_layer, block_tables, selection, seq_lens, scale,
+                                                num_queries=num_queries)
         return result if out is None else out.copy_(result)
-    _check_inputs(q, kv_layer, block_tables, None, flat, seq_lens, out)
-    return _launch(q, kv_layer, block_tables, k, flat, seq_lens, scale, out, padded=True, **tuning)
+    _check_inputs(q[:nseq], kv_layer, block_tables, None, flat, seq_lens, None)
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, "
+                         f"got {tuple(out.shape)} {out.dtype} on {out.device}")
+    return _launch(q, kv_layer, block_tables, selection.shape[1], flat, seq_lens, scale, out, padded=True,
+                   num_queries=num_queries, **tuning)
 
 
-def sparse_decode_padded_reference(q, kv_layer, block_tables, selection, seq_lens, scale, out=None) -> torch.Tensor:
-    """Torch twin of sparse_decode_attention_padded (through the CSR form; syncs with the device)."""
-    keep = selection >= 0
-    indptr = torch.zeros(len(selection) + 1, dtype=torch.int32, device=selection.device)
-    indptr[1:] = torch.cumsum(keep.sum(1), 0)
-    return sparse_decode_reference(q, kv_layer, block_tables, indptr, selection[keep].to(torch.int32), seq_lens,
-                                   scale, out)
+def _check_queries(q: torch.Tensor, selection: torch.Tensor, num_queries: int) -> int:
+    """The number of sequences B, once q holds num_queries rows for each of selection's B rows."""
+    if num_queries < 1:
+        raise ValueError(f"num_queries must be >= 1, got {num_queries}")
+    if q.dim() != 3 or q.shape[0] % num_queries:
+        raise ValueError(f"q must be [num_queries * B, Hq, D] with num_queries={num_queries}, "
+                         f"got shape {tuple(q.shape)}")
+    nseq = q.shape[0] // num_queries
+    if selection.dim() != 2 or selection.shape[0] != nseq:
+        raise ValueError(f"selection must be [B={nseq}, K], got shape {tuple(selection.shape)}")
+    return nseq
+
+
+def sparse_decode_padded_reference(q, kv_layer, block_tables, selection, seq_lens, scale, out=None,
+                                   num_queries: int = 1) -> torch.Tensor:
+    """Torch twin of sparse_decode_attention_padded (through the CSR form; syncs with the device).
+    Query i of a sequence attends to the selected blocks that hold any of its seq_len + i tokens."""
+    nseq = _check_queries(q, selection, num_queries)
+    parts = []
+    for i in range(num_queries):
+        lens = seq_lens + i
+        starts = selection.long() * kv_layer.shape[2]
+        keep = (selection >= 0) & (starts < lens[:, None].long())
+        indptr = torch.zeros(nseq + 1, dtype=torch.int32, device=selection.device)
+        indptr[1:] = torch.cumsum(keep.sum(1), 0)
+        parts.append(sparse_decode_reference(q[i * nseq:(i + 1) * nseq], kv_layer, block_tables, indptr,
+                                             selection[keep].to(torch.int32), lens.to(torch.int32), scale))
+    result = parts[0] if num_queries == 1 else torch.cat(parts)
+    return result if out is None else out.copy_(result)
 
 
 def _launch(q, kv_layer, block_tables, indptr_arg, sel_indices, seq_lens, scale, out, *, padded: bool,
-            num_splits: int | None = None, blocks_per_iter: int | None = None, num_warps: int = 4,
+            num_queries: int = 1, num_splits: int | None = None, blocks_per_iter: int | None = None, num_warps: int = 4,
             num_stages: int = 2, prefetch: bool = True) -> torch.Tensor:
     """Launches the kernels; `indptr_arg` is the CSR indptr tensor, or with `padded` the table's width."""
-    B, Hq, D = q.shape
+    rows, Hq, D = q.shape
+    B = rows // num_queries  # sequences
     _, _, block_size, Hkv, _ = kv_layer.shape
     if out is None:
         out = torch.empty_like(q)
@@ -300,7 +337,7 @@ def _launch(q, kv_layer, block_tables, indptr_arg, sel_indices, seq_lens, scale,
         return out
 
     group = Hq // Hkv
-    g_pad = max(16, triton.next_power_of_2(group))
+    g_pad = max(16, triton.next_power_of_2(num_queries * group))
     d_pad = max(16, triton.next_power_of_2(D))
     if blocks_per_iter is None:
         blocks_per_iter = max(1, 64 // block_size)
@@ -322,19 +359,19 @@ def _launch(q, kv_layer, block_tables, indptr_arg, sel_indices, seq_lens, scale,
     if direct:
         ws, lse_off = dst, 0  # placeholder: unused
     else:
-        lse_off = B * Hq * num_splits * D
-        ws = torch.empty(lse_off + B * Hq * num_splits, dtype=torch.float32, device=q.device)
+        lse_off = rows * Hq * num_splits * D
+        ws = torch.empty(lse_off + rows * Hq * num_splits, dtype=torch.float32, device=q.device)
 
     _sparse_decode_split_kernel[(B, Hkv, num_splits)](
         q, kv_layer, block_tables, indptr_arg, sel_indices, seq_lens, ws, dst,
-        float(scale) * _LOG2E, num_splits, lse_off, kv_layer.stride(0), block_tables.stride(0),
-        HQ=Hq, GROUP=group, G_PAD=g_pad, HKV=Hkv, HEAD_DIM=D, D_PAD=d_pad,
+        float(scale) * _LOG2E, B, num_splits, lse_off, kv_layer.stride(0), block_tables.stride(0),
+        HQ=Hq, GROUP=group, NQ=num_queries, G_PAD=g_pad, HKV=Hkv, HEAD_DIM=D, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCKS_PER_ITER=blocks_per_iter,
         DIRECT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PREFETCH=prefetch, PADDED=padded, num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:
-        _sparse_decode_merge_kernel[(B * Hq,)](
+        _sparse_decode_merge_kernel[(rows * Hq,)](
             ws, dst, num_splits, lse_off,
             HEAD_DIM=D, D_PAD=d_pad, S_PAD=max(2, triton.next_power_of_2(num_splits)),
             num_warps=4 if d_pad >= 128 else 2,

@@ -8,6 +8,7 @@ import weakref
 import torch
 
 from oasiskv.config import ModelConfig
+from oasiskv.kernels.host_tokens import store_tokens_to_host
 
 GiB = 1 << 30
 
@@ -52,14 +53,14 @@ class HostStore:
 
     def write_tokens(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor) -> None:
-        """Prefill writes: token i's K/V to (blocks[i], offsets[i]) of this layer."""
-        kv = self.kv[layer]
-        blocks, offsets = blocks.cpu(), offsets.cpu()
-        kv[blocks, 0, offsets] = k.to("cpu", non_blocking=False)
-        kv[blocks, 1, offsets] = v.to("cpu", non_blocking=False)
+        """Prefill writes: token i's K/V to (blocks[i], offsets[i]) of this layer. From CUDA tensors
+        into a pinned store: asynchronous, on the current stream (kernels/host_tokens.py)."""
+        store_tokens_to_host(k, v, self.kv, layer, blocks, offsets)
 
     def read_prefix(self, layer: int, blocks: torch.Tensor, num_tokens: int, device: torch.device):
         """K and V of the first num_tokens tokens stored in these blocks: [num_tokens, Hkv, D] each."""
+        if device.type == "cuda":  # the host reads what the device may still be writing
+            torch.cuda.current_stream(device).synchronize()
         chunk = self.kv[layer][blocks.cpu()].to(device)
         k = chunk[:, 0].reshape(-1, *chunk.shape[-2:])[:num_tokens]
         v = chunk[:, 1].reshape(-1, *chunk.shape[-2:])[:num_tokens]

@@ -160,24 +160,25 @@ class OasisPolicy(TieredPolicy):
 
     def attend_with_draft(self, layer, q, out, attended, opened, dense) -> None:
         """x_t and its draft in one launch: x_t attends to `attended`; the draft to the same blocks, the
-        block it opened and one more token (its own, written where x_{t+1}'s will go)."""
+        block it opened and one more token (its own, written where x_{t+1}'s will go). On sparse layers
+        the K/V of each block are read once for both."""
         meta = self.meta
         nd, real = meta.num_decode, len(q) - meta.num_draft
         both = q[:2 * nd] if real == nd else torch.cat([q[:nd], q[real:]])  # prefill rows sit in between
-        gpu_kv, lens = self.pool.layer(layer), self.rows_now.both_lens
-        tables = self.ws.table(layer, self.rows, self.host_tables.shape[1]).repeat(2, 1)
+        gpu_kv = self.pool.layer(layer)
+        tables = self.ws.table(layer, self.rows, self.host_tables.shape[1])
         target = out[:2 * nd] if real == nd else None
         if dense:
+            tables, lens = tables.repeat(2, 1), self.rows_now.both_lens
             if self.cuda:
                 result = paged_decode_attention(both, gpu_kv, tables, lens, self.scale, target,
                                                 max_seq_len=meta.decode_max_seq_len + 1)
             else:
                 result = paged_decode_reference(both, gpu_kv, tables, lens, self.scale)
-        else:
-            none = torch.full_like(opened[:, None], -1)
-            blocks = torch.cat([torch.cat([attended, none], 1), torch.cat([attended, opened[:, None]], 1)])
+        else:  # the draft sees one token more than x_t, so x_t skips the block the draft opened
+            blocks = torch.cat([attended, opened[:, None]], 1)
             attend = sparse_decode_attention_padded if self.cuda else sparse_decode_padded_reference
-            result = attend(both, gpu_kv, tables, blocks, lens, self.scale, target)
+            result = attend(both, gpu_kv, tables, blocks, meta.decode_seq_lens, self.scale, target, num_queries=2)
         if target is None or result.data_ptr() != target.data_ptr():
             out[:nd], out[real:] = result[:nd], result[nd:]
 
