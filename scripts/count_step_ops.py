@@ -30,7 +30,7 @@ SKIP = {"aten.detach.default", "aten.view.default", "aten._unsafe_view.default",
         "aten.slice.Tensor", "aten.select.int", "aten.permute.default", "aten.transpose.int",
         "aten.as_strided.default", "aten.lift_fresh.default", "aten.empty.memory_format",
         "aten.empty_like.default", "aten.empty_strided.default", "aten.split.Tensor", "aten.unbind.int",
-        "aten.reshape.default", "aten._to_copy.default.cpu"}
+        "aten.reshape.default", "aten._to_copy.default.cpu", "aten.unfold.default", "aten.movedim.int"}
 HOME = os.path.join("oasiskv", "")
 
 

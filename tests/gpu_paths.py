@@ -18,6 +18,7 @@ def force_gpu_kernel_paths() -> None:
     sp.block_scores_reference = block_select.block_scores
     sp.sparse_decode_padded_reference = op.sparse_decode_padded_reference = \
         sparse_decode.sparse_decode_attention_padded
+    op.block_scores_multi_reference = block_select.block_scores_multi
     op.predict_prefetch_reference = block_topk.predict_prefetch
     op.resident_selection_reference = residency.resident_selection
     tp.append_to_tails_reference = tail_append.append_to_tails

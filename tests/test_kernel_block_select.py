@@ -9,6 +9,8 @@ import torch
 from oasiskv.kernels import block_select
 from oasiskv.kernels.block_select import (
     block_scores,
+    block_scores_multi,
+    block_scores_multi_reference,
     block_scores_reference,
     select_blocks,
     select_blocks_padded,
@@ -131,6 +133,78 @@ def test_block_scores_bad_arguments_raise(fn):
         (q, s, tables, nb[:1], "num_blocks_per_seq must be int32"),
         (q, s, tables, torch.tensor([6, 3], dtype=torch.int32), r"num_blocks_per_seq must be in \[0, 5\]"),
         (q, s, tables, torch.tensor([5, 4], dtype=torch.int32), "block_tables entries"),  # reads a -1
+    ]
+    for args in cases:
+        with pytest.raises(ValueError, match=args[-1]):
+            fn(*args[:-1])
+
+
+# ---------------------------------------------------------------- block_scores_multi
+
+# per query, the logical blocks of each of 4 sequences it scores: different counts, zeros included
+# (sequence 3: no query scores anything); the block tables are valid up to the first row's counts
+MULTI_COUNTS = [[70, 33, 5, 0], [69, 0, 5, 0], [0, 33, 1, 0]]
+
+
+def _multi_case(nq, group, d, dtype, strided, seed=4):
+    """q [NQ, B, Hq, D]; strided: the rows of one [T, Hq, D + 8] tensor, NQ row ranges `real` apart
+    (how oasis passes x_t's queries and its drafts')."""
+    bsz, hkv, max_blocks = 4, 2, 70
+    hq = hkv * group
+    _, s, tables, _ = _case(bsz, hq, hkv, d, max_blocks, MULTI_COUNTS[0], dtype, seed=seed, device=DEV)
+    g = torch.Generator().manual_seed(seed + 1)
+    if strided:
+        real = bsz + 3  # rows in between, like prefill rows between x_t's and the drafts'
+        rows = torch.randn((nq - 1) * real + bsz, hq, d + 8, generator=g).to(dtype).to(DEV)
+        q = rows[:, :, :d].unfold(0, bsz, real).movedim(-1, 1)
+        assert not q.is_contiguous() and q.shape == (nq, bsz, hq, d)
+    else:
+        q = torch.randn(nq, bsz, hq, d, generator=g).to(dtype).to(DEV)
+    counts = torch.tensor(MULTI_COUNTS[:nq], dtype=torch.int32, device=DEV)
+    return q, s, tables, counts
+
+
+@pytest.mark.parametrize("nq", [1, 2, 3])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_multi_is_bit_identical_to_separate_calls(nq, group, d, strided, dtype):
+    q, s, tables, counts = _multi_case(nq, group, d, dtype, strided)
+    got = block_scores_multi(q, s, tables, counts)
+    assert got.dtype == torch.float32 and got.shape == (nq, *tables.shape)
+    for n in range(nq):
+        assert torch.equal(got[n], block_scores(q[n], s, tables, counts[n]))
+    ref = block_scores_multi_reference(q.cpu(), s.cpu(), tables.cpu(), counts.cpu())
+    assert torch.equal(torch.isinf(got.cpu()), torch.isinf(ref))
+    torch.testing.assert_close(got.cpu(), ref, rtol=1e-5, atol=1e-4)
+
+
+def test_multi_reference_is_the_single_reference_per_query():
+    q, s, tables, counts = _multi_case(3, 4, 64, torch.float32, strided=True)
+    q, s, tables, counts = q.cpu(), s.cpu(), tables.cpu(), counts.cpu()
+    ref = block_scores_multi_reference(q, s, tables, counts)
+    j = torch.arange(tables.shape[1])
+    assert torch.all(ref[j[None, None] >= counts[:, :, None].long()] == -math.inf)
+    for n in range(3):
+        assert torch.equal(ref[n], block_scores_reference(q[n], s, tables, counts[n]))
+
+
+@pytest.mark.parametrize("fn", [block_scores_multi, block_scores_multi_reference])
+def test_block_scores_multi_bad_arguments_raise(fn):
+    q1, s, tables, nb = _case(2, 4, 2, 16, 5, [5, 3], torch.float32)
+    q, counts = torch.stack([q1, q1]), torch.stack([nb, nb])
+    cases = [
+        (q[0], s, tables, counts, "q must be"),
+        (q[:0], s, tables, counts[:0], "q must be"),
+        (q, s, tables, nb, "num_blocks must be int32"),
+        (q, s, tables, counts[:1], "num_blocks must be int32"),
+        (q, s, tables, counts.long(), "num_blocks must be int32"),
+        (q[..., :8], s, tables, counts, "head_dim"),
+        (q, s[:, :1], tables, counts, "summaries must be"),
+        (q, s, tables[:1], counts, "block_tables must be"),
+        (q, s, tables, counts + 1, r"num_blocks must be in \[0, 5\]"),
+        (q, s, tables, torch.tensor([[5, 3], [5, 4]], dtype=torch.int32), "block_tables entries"),  # reads a -1
     ]
     for args in cases:
         with pytest.raises(ValueError, match=args[-1]):

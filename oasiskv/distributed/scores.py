@@ -23,7 +23,8 @@ class ScoreCombiner:
         self.calls, self.bytes, self.seconds = 0, 0, 0.0
 
     def __call__(self, scores: torch.Tensor) -> torch.Tensor:
-        """This rank's scores [B, blocks] fp32 -> the scores of the whole model, on every rank."""
+        """This rank's scores [..., blocks] fp32 (e.g. [B, blocks], or oasis's [2, B, blocks]: x_t's and
+        the drafts') -> the scores of the whole model, on every rank."""
         t0 = time.perf_counter() if self.timed else 0.0
         self.calls += 1
         self.bytes += scores.numel() * scores.element_size()
@@ -46,7 +47,7 @@ class ScoreCombiner:
 
 
 def combine_gathered(parts: torch.Tensor, kv_replicas: int) -> torch.Tensor:
-    """parts [world, B, blocks], rank order (ranks r * replicas .. share KV head r) -> [B, blocks]."""
+    """parts [world, ..., blocks], rank order (ranks r * replicas .. share KV head r) -> [..., blocks]."""
     world = parts.shape[0]
     per_head = parts.view(world // kv_replicas, kv_replicas, *parts.shape[1:]).amax(dim=1)
     return per_head.sum(dim=0)

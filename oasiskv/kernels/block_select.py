@@ -13,12 +13,20 @@ ONE score per (sequence, block); it is defined as
 i.e. the best query head of each KV-head group, summed over KV heads. Scores may be negative.
 Logical blocks ``j >= num_blocks_per_seq[b]`` score ``-inf``.
 
+Several queries per sequence (:func:`block_scores_multi`): q [NQ, B, Hq, D], each query its own
+block count (``num_blocks`` int32 [NQ, B]), all against the same block table. Each program loads
+a tile of summaries once per KV head and scores every query against it, so NQ queries cost one
+read of the summaries instead of NQ (oasis scores x_t and its draft token this way). Each query's
+scores are computed with the same fp32 operations, in the same order, as a one-query launch: they
+are bit-identical to separate :func:`block_scores` calls, which is the ``NQ = 1`` case.
+
 Selection (:func:`select_blocks`, pure torch): per sequence the sink blocks, the local window
 (whose last block is the tail block) and the top-scored remaining blocks, ``budget_blocks``
 in total; CSR of logical block ids.
 
-Dispatch of :func:`block_scores`: the Triton kernel runs on CUDA tensors, and on CPU tensors
-when this module was imported with ``TRITON_INTERPRET=1``; otherwise the torch reference.
+Dispatch of :func:`block_scores` and :func:`block_scores_multi`: the Triton kernel runs on CUDA
+tensors, and on CPU tensors when this module was imported with ``TRITON_INTERPRET=1``; otherwise
+the torch reference.
 """
 
 from __future__ import annotations
@@ -27,7 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["block_scores", "block_scores_reference", "select_blocks", "select_blocks_padded"]
+__all__ = ["block_scores", "block_scores_multi", "block_scores_multi_reference", "block_scores_reference",
+           "select_blocks", "select_blocks_padded"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _BLOCK_N = 32  # logical blocks per program
@@ -40,6 +49,7 @@ def _block_scores_kernel(
     block_tables_ptr,
     num_blocks_ptr,
     scores_ptr,
+    s_q_n,
     s_q_b,
     s_q_h,
     s_q_d,
@@ -49,54 +59,91 @@ def _block_scores_kernel(
     s_sum_d,
     s_bt_b,
     s_bt_j,
+    s_nb_n,
+    s_nb_b,
+    s_out_n,
     s_out_b,
     s_out_j,
     max_blocks,
     D,
+    NQ: tl.constexpr,
+    NQ_POW2: tl.constexpr,
     HKV: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     # Grid (batch, block tile). Each program reads the summaries of BLOCK_N blocks for every
-    # KV head once and scores them against the group's query heads.
+    # KV head once and scores them against the group's query heads of all NQ queries.
     b = tl.program_id(0)
     tile = tl.program_id(1)
     j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    n = tl.load(num_blocks_ptr + b)
-    valid = (j < n) & (j < max_blocks)
-    phys = tl.load(block_tables_ptr + b * s_bt_b + j * s_bt_j, mask=valid, other=0).to(tl.int64)
+    n = tl.arange(0, NQ_POW2)
+    counts = tl.load(num_blocks_ptr + n * s_nb_n + b * s_nb_b, mask=n < NQ, other=0)
+    valid = (j[None, :] < counts[:, None]) & (j[None, :] < max_blocks)  # [NQ_POW2, BLOCK_N]
+    read = (j < tl.max(counts, axis=0)) & (j < max_blocks)  # blocks any query scores
+    phys = tl.load(block_tables_ptr + b * s_bt_b + j * s_bt_j, mask=read, other=0).to(tl.int64)
 
     d = tl.arange(0, BLOCK_D)
     d_mask = d < D
-    tile_mask = valid[:, None] & d_mask[None, :]
+    tile_mask = read[:, None] & d_mask[None, :]
     row = summaries_ptr + phys[:, None] * s_sum_blk + d[None, :] * s_sum_d
     q_row = q_ptr + b.to(tl.int64) * s_q_b + d * s_q_d
 
-    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    total = tl.zeros([NQ_POW2, BLOCK_N], dtype=tl.float32)
     for g in range(0, HKV):
         k_min = tl.load(row + g * s_sum_head, mask=tile_mask, other=0.0).to(tl.float32)
         k_max = tl.load(row + g * s_sum_head + s_sum_kind, mask=tile_mask, other=0.0).to(tl.float32)
-        best = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
-        for i in tl.static_range(GROUP):
-            qh = tl.load(q_row + (g * GROUP + i) * s_q_h, mask=d_mask, other=0.0).to(tl.float32)
-            qh = qh[None, :]
-            s = tl.sum(tl.maximum(qh * k_min, qh * k_max), axis=1)
-            best = tl.maximum(best, s)
-        total += best
+        for qi in tl.static_range(NQ):
+            best = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+            for i in tl.static_range(GROUP):
+                qh = tl.load(q_row + qi * s_q_n + (g * GROUP + i) * s_q_h, mask=d_mask, other=0.0).to(tl.float32)
+                qh = qh[None, :]
+                s = tl.sum(tl.maximum(qh * k_min, qh * k_max), axis=1)
+                best = tl.maximum(best, s)
+            total = tl.where(n[:, None] == qi, total + best[None, :], total)
 
     total = tl.where(valid, total, float("-inf"))
-    tl.store(scores_ptr + b * s_out_b + j * s_out_j, total, mask=j < max_blocks)
+    out = scores_ptr + n[:, None] * s_out_n + b * s_out_b + j[None, :] * s_out_j
+    tl.store(out, total, mask=(n[:, None] < NQ) & (j[None, :] < max_blocks))
 
 
 def _check_args(q, summaries, block_tables, num_blocks_per_seq):
+    """One query per sequence: q [B, Hq, D], num_blocks_per_seq int32 [B]."""
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
+    bsz = q.shape[0]
+    if (
+        num_blocks_per_seq.dim() != 1
+        or num_blocks_per_seq.dtype != torch.int32
+        or num_blocks_per_seq.shape[0] != bsz
+    ):
+        raise ValueError(
+            f"num_blocks_per_seq must be int32 [B={bsz}], got {num_blocks_per_seq.dtype} "
+            f"{tuple(num_blocks_per_seq.shape)}"
+        )
+    _check_shared_args(q[None], summaries, block_tables, num_blocks_per_seq, "num_blocks_per_seq")
+
+
+def _check_multi_args(q, summaries, block_tables, num_blocks):
+    """NQ queries per sequence: q [NQ, B, Hq, D], num_blocks int32 [NQ, B]."""
+    if q.dim() != 4 or q.shape[0] == 0:
+        raise ValueError(f"q must be [NQ >= 1, B, Hq, D], got {tuple(q.shape)}")
+    nq, bsz = q.shape[:2]
+    if num_blocks.dim() != 2 or num_blocks.dtype != torch.int32 or tuple(num_blocks.shape) != (nq, bsz):
+        raise ValueError(
+            f"num_blocks must be int32 [NQ={nq}, B={bsz}], got {num_blocks.dtype} {tuple(num_blocks.shape)}"
+        )
+    _check_shared_args(q, summaries, block_tables, num_blocks, "num_blocks")
+
+
+def _check_shared_args(q, summaries, block_tables, num_blocks, num_blocks_name):
+    """q [NQ, B, Hq, D]; the block counts' shape is already checked."""
     if summaries.dim() != 4 or summaries.shape[1] != 2:
         raise ValueError(f"summaries must be [num_blocks, 2, Hkv, D], got {tuple(summaries.shape)}")
     if q.dtype not in _FLOAT_DTYPES or summaries.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"q and summaries must be fp32/fp16/bf16, got {q.dtype} and {summaries.dtype}")
-    bsz, hq, d = q.shape
+    bsz, hq, d = q.shape[1:]
     hkv = summaries.shape[2]
     if summaries.shape[3] != d:
         raise ValueError(f"head_dim mismatch: q has D={d}, summaries D={summaries.shape[3]}")
@@ -107,34 +154,30 @@ def _check_args(q, summaries, block_tables, num_blocks_per_seq):
             f"block_tables must be int32 [B={bsz}, max_blocks], got {block_tables.dtype} "
             f"{tuple(block_tables.shape)}"
         )
-    if (
-        num_blocks_per_seq.dim() != 1
-        or num_blocks_per_seq.dtype != torch.int32
-        or num_blocks_per_seq.shape[0] != bsz
-    ):
-        raise ValueError(
-            f"num_blocks_per_seq must be int32 [B={bsz}], got {num_blocks_per_seq.dtype} "
-            f"{tuple(num_blocks_per_seq.shape)}"
-        )
-    for name, t in (("summaries", summaries), ("block_tables", block_tables), ("num_blocks_per_seq", num_blocks_per_seq)):
+    for name, t in (("summaries", summaries), ("block_tables", block_tables), (num_blocks_name, num_blocks)):
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
 
 
-def _check_values(summaries, block_tables, num_blocks_per_seq):
+def _check_values(summaries, block_tables, num_blocks, num_blocks_name):
+    """num_blocks: [NQ, B]; a table entry is read when any query of its sequence counts its block."""
     max_blocks = block_tables.shape[1]
-    if num_blocks_per_seq.numel() == 0:
+    if num_blocks.numel() == 0:
         return
-    lo, hi = int(num_blocks_per_seq.min()), int(num_blocks_per_seq.max())
+    lo, hi = int(num_blocks.min()), int(num_blocks.max())
     if lo < 0 or hi > max_blocks:
-        raise ValueError(f"num_blocks_per_seq must be in [0, {max_blocks}], got values in [{lo}, {hi}]")
+        raise ValueError(f"{num_blocks_name} must be in [0, {max_blocks}], got values in [{lo}, {hi}]")
     j = torch.arange(max_blocks, device=block_tables.device)
-    used = block_tables[j[None, :] < num_blocks_per_seq[:, None].long()]
+    used = block_tables[j[None, :] < num_blocks.amax(0)[:, None].long()]
     if used.numel() and (int(used.min()) < 0 or int(used.max()) >= summaries.shape[0]):
         raise ValueError(
             f"block_tables entries of valid blocks must be in [0, {summaries.shape[0]}), "
             f"got values in [{int(used.min())}, {int(used.max())}]"
         )
+
+
+def _checks_values(check_values: bool | None, device: torch.device) -> bool:
+    return check_values if check_values is not None else device.type != "cuda"
 
 
 def block_scores_reference(
@@ -149,7 +192,7 @@ def block_scores_reference(
     that identity needs ``mn <= mx``, which real summaries satisfy (the kernel uses the max form).
     """
     _check_args(q, summaries, block_tables, num_blocks_per_seq)
-    _check_values(summaries, block_tables, num_blocks_per_seq)
+    _check_values(summaries, block_tables, num_blocks_per_seq[None], "num_blocks_per_seq")
     bsz, hq, d = q.shape
     hkv = summaries.shape[2]
     scores = torch.full(block_tables.shape, float("-inf"), dtype=torch.float32, device=q.device)
@@ -164,6 +207,19 @@ def block_scores_reference(
         )  # [n, Hkv, group]
         scores[b, :n] = per_head.amax(dim=2).sum(dim=1)
     return scores
+
+
+def block_scores_multi_reference(
+    q: torch.Tensor,
+    summaries: torch.Tensor,
+    block_tables: torch.Tensor,
+    num_blocks: torch.Tensor,
+) -> torch.Tensor:
+    """Torch twin of :func:`block_scores_multi` (same arguments and result): one
+    :func:`block_scores_reference` per query."""
+    _check_multi_args(q, summaries, block_tables, num_blocks)
+    _check_values(summaries, block_tables, num_blocks, "num_blocks")
+    return torch.stack([block_scores_reference(qn, summaries, block_tables, nb) for qn, nb in zip(q, num_blocks)])
 
 
 def _triton_runs(device: torch.device) -> bool:
@@ -200,12 +256,48 @@ def block_scores(
     if not _triton_runs(q.device):
         return block_scores_reference(q, summaries, block_tables, num_blocks_per_seq)
     _check_args(q, summaries, block_tables, num_blocks_per_seq)
-    if check_values if check_values is not None else q.device.type != "cuda":
-        _check_values(summaries, block_tables, num_blocks_per_seq)
-    bsz, hq, d = q.shape
+    if _checks_values(check_values, q.device):
+        _check_values(summaries, block_tables, num_blocks_per_seq[None], "num_blocks_per_seq")
+    return _launch_scores(q[None], summaries, block_tables, num_blocks_per_seq[None])[0]
+
+
+def block_scores_multi(
+    q: torch.Tensor,
+    summaries: torch.Tensor,
+    block_tables: torch.Tensor,
+    num_blocks: torch.Tensor,
+    *,
+    check_values: bool | None = None,
+) -> torch.Tensor:
+    """:func:`block_scores` for NQ queries per sequence, reading the summaries once for all.
+
+    ``result[n]`` is bit-identical to ``block_scores(q[n], summaries, block_tables, num_blocks[n])``.
+
+    Args:
+        q: [NQ, B, Hq, D], any strides (e.g. two row ranges of one [T, Hq, D] tensor, viewed as
+            ``q[:real + B].unfold(0, B, real).movedim(-1, 1)``, without a copy).
+        summaries: [num_blocks, 2, Hkv, D] one layer's summaries (0 = min, 1 = max).
+        block_tables: int32 [B, max_blocks], shared by the NQ queries of a sequence. Entries at
+            ``j >= max_n num_blocks[n, b]`` are never read.
+        num_blocks: int32 [NQ, B], the logical blocks each query scores (<= max_blocks).
+        check_values: as for :func:`block_scores`.
+
+    Returns:
+        fp32 [NQ, B, max_blocks]; ``-inf`` where ``j >= num_blocks[n, b]``.
+    """
+    if not _triton_runs(q.device):
+        return block_scores_multi_reference(q, summaries, block_tables, num_blocks)
+    _check_multi_args(q, summaries, block_tables, num_blocks)
+    if _checks_values(check_values, q.device):
+        _check_values(summaries, block_tables, num_blocks, "num_blocks")
+    return _launch_scores(q, summaries, block_tables, num_blocks)
+
+
+def _launch_scores(q, summaries, block_tables, num_blocks) -> torch.Tensor:
+    nq, bsz, hq, d = q.shape
     hkv = summaries.shape[2]
     max_blocks = block_tables.shape[1]
-    scores = torch.empty((bsz, max_blocks), dtype=torch.float32, device=q.device)
+    scores = torch.empty((nq, bsz, max_blocks), dtype=torch.float32, device=q.device)
     if bsz == 0 or max_blocks == 0:
         return scores
     grid = (bsz, triton.cdiv(max_blocks, _BLOCK_N))
@@ -213,21 +305,17 @@ def block_scores(
         q,
         summaries,
         block_tables,
-        num_blocks_per_seq,
+        num_blocks,
         scores,
-        q.stride(0),
-        q.stride(1),
-        q.stride(2),
-        summaries.stride(0),
-        summaries.stride(1),
-        summaries.stride(2),
-        summaries.stride(3),
-        block_tables.stride(0),
-        block_tables.stride(1),
-        scores.stride(0),
-        scores.stride(1),
+        *q.stride(),
+        *summaries.stride(),
+        *block_tables.stride(),
+        *num_blocks.stride(),
+        *scores.stride(),
         max_blocks,
         d,
+        NQ=nq,
+        NQ_POW2=triton.next_power_of_2(nq),
         HKV=hkv,
         GROUP=hq // hkv,
         BLOCK_N=_BLOCK_N,
@@ -235,7 +323,6 @@ def block_scores(
         num_warps=4,
     )
     return scores
-
 
 
 def _check_select_args(scores, num_blocks_per_seq, budget_blocks, sink_blocks, local_blocks):

@@ -7,7 +7,8 @@ last num_draft rows of the batch). Per layer (see shared/DESIGN.md, "A decode st
      first decode step has no prediction yet: its misses are always fetched (cold start);
   3. x_t attends to its selection, the draft to the same blocks plus x_t and itself (its own K/V goes
      where x_{t+1}'s will, and is overwritten by it next step);
-  4. the draft's query selects too: that selection is the prediction for the next step. Its
+  4. the draft's query selects too: that selection is the prediction for the next step (its block
+     scores come from the same launch as x_t's, which reads the layer's summaries once). Its
      non-resident blocks, highest score first and at most `fetch_cap x budget` tokens of them, are
      gathered from the host store, evicting blocks outside the prediction. This runs for groups of
      PREDICT_GROUP layers at once; on the GPU on the copy stream, beside the next layers' compute.
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from oasiskv.kernels.block_select import block_scores_multi, block_scores_multi_reference
 from oasiskv.kernels.block_topk import predict_prefetch, predict_prefetch_reference
 from oasiskv.kernels.residency import COUNTERS as RESIDENCY_COUNTERS
 from oasiskv.kernels.residency import resident_selection, resident_selection_reference
@@ -34,6 +36,7 @@ from oasiskv.policies.tiered import TieredPolicy
 class DraftRows(DecodeRows):
     """DecodeRows plus the draft token's: it sits at position seq_len, one past x_t."""
     draft_nblocks: torch.Tensor  # int32 [B]: logical blocks it spans
+    both_nblocks: torch.Tensor   # int32 [2, B]: x_t's logical blocks, then the drafts'
     both_lens: torch.Tensor      # int32 [2B]: x_t's lengths, then the drafts'
     opens: torch.Tensor          # bool [B]: the draft starts a new block
     opened: torch.Tensor         # int32 [B]: that block, or -1
@@ -90,7 +93,7 @@ class OasisPolicy(TieredPolicy):
         self.clock = EventClock() if self.cuda else None
         self.decode_steps = 0
         self.layer_ids = torch.arange(layers, device=self.pool.kv.device)
-        self.waiting: list[tuple[int, torch.Tensor]] = []  # (layer, draft queries) not yet predicted from
+        self.waiting: list[tuple[int, torch.Tensor]] = []  # (layer, draft block scores) not yet predicted from
         self.group_ends = self.prediction_group_ends(layers)
         names = {"selected": "selected_blocks"}  # kernels/residency.py's counters -> ours
         self.residency_counters = torch.tensor([self.counter_index[names.get(c, c)] for c in RESIDENCY_COUNTERS],
@@ -146,14 +149,14 @@ class OasisPolicy(TieredPolicy):
         draft_kv = (k[real:], v[real:])
         tail_slots, fill, tail_host = self.write_tail(layer, k[:nd], v[:nd], draft_kv if together else None)
         dense = self.is_dense_layer(layer)
-        attended = self.resident_selection(layer, q[:nd], dense)
+        attended, draft_scores = self.resident_selection(layer, q, dense)
         opened = self.rows_now.opened if together else self.write_draft_kv(layer, tail_slots, attended, *draft_kv)
         with self.timer("attention"):
             self.attend_with_draft(layer, q, out, attended, opened, dense)
         if self.any_opens:  # x_t filled some tail block (the same condition)
             self.spill_full_tails(layer, fill, tail_slots, tail_host)
         if not dense:
-            self.waiting.append((layer, q[real:]))
+            self.waiting.append((layer, draft_scores))
             if layer in self.group_ends:
                 self.predict_and_prefetch(self.rows_now)
         self.flush_counts(layer)
@@ -193,35 +196,57 @@ class OasisPolicy(TieredPolicy):
         compute.wait_event(done)
         self.clock.close("prefetch_exposed", start, compute)
 
-    def resident_selection(self, layer, q, dense) -> torch.Tensor:
+    def resident_selection(self, layer, q, dense) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x_t's selection restricted to what is resident once cold-start (and, with the "fetch"
-        policy, all) misses are fetched: int32 [B, K], -1 where a selected block is left out."""
+        policy, all) misses are fetched: int32 [B, K], -1 where a selected block is left out; and the
+        draft's block scores for the group's prediction (None on dense layers). `q`: all of the step's rows."""
+        draft_scores = None
         if dense:  # every block; no prediction is made for dense layers, so no agreement either
             selection, judged = self.rows_now.every_block, torch.zeros_like(self.fresh)
         else:
             with self.timer("select"):
-                _, selection = self.select(layer, q, self.meta.decode_block_tables)
+                scores, draft_scores = self.score_now_and_draft(layer, q)
+                _, selection = self.select_by(scores)
             judged = self.fresh
         check = resident_selection if self.cuda else resident_selection_reference  # + selected/hit/miss/agreement
         resident = check(selection, self.ws._slot_of, self.predicted, self.rows, judged, self.row_counts[0],
                          self.layer_counts[0], self.residency_counters, layer)
         fetch_all = dense or self.cfg.miss_policy == "fetch"
         if not (fetch_all or self.any_cold):  # nothing to fetch: misses are left out
-            return resident
+            return resident, draft_scores
         fetch_rows = torch.ones_like(self.cold) if fetch_all else self.cold
         need = torch.where((selection >= 0) & (resident < 0) & fetch_rows[:, None], selection, -1)
         with self.timer("gather"):
             fetched, _ = self.fetch(layer, need, self.mask_of(selection))
         self.count("cold_fetched_blocks", fetched & self.cold[:, None])
         self.count("miss_fetched_blocks", fetched & ~self.cold[:, None])
-        return torch.where((resident >= 0) | fetched, selection, -1)
+        return torch.where((resident >= 0) | fetched, selection, -1), draft_scores
+
+    def score_now_and_draft(self, layer, q) -> tuple[torch.Tensor, torch.Tensor]:
+        """x_t's block scores fp32 [B, W] (W: the decode block tables' width) and the draft's [B, W + 1]
+        (it may open a block), all ranks' heads: one launch reads the layer's summaries once for both, and
+        under tensor parallelism one collective combines both.
+
+        The draft's scores wait for the group's prediction: nothing writes this layer's summaries before it
+        (prefill rows merged theirs and write_tail refreshed the tail's before this; later layers write
+        their own), so they are what scoring the draft then would give."""
+        meta = self.meta
+        nd, real = meta.num_decode, len(q) - meta.num_draft
+        both = q[:real + nd].unfold(0, nd, real).movedim(-1, 1)  # [2, B, Hq, D]: rows :nd and real:, no copy
+        score = block_scores_multi if self.cuda else block_scores_multi_reference
+        scores = self.combined(score(both, self.summaries.layer(layer), self.host_tables, self.rows_now.both_nblocks))
+        # host_tables is the decode block table plus one column, which x_t never counts: its first W
+        # columns are exactly the scores select has for x_t
+        return scores[0, :, :meta.decode_block_tables.shape[1]], scores[1]
 
     def derive_rows(self) -> DraftRows:
         rows = super().derive_rows()
         pos = self.meta.decode_seq_lens.long()  # the draft's position
         opens = rows.fill == self.block_size
-        return DraftRows(**vars(rows), draft_nblocks=rows.nblocks + opens.to(torch.int32),
-                         both_lens=torch.cat([self.meta.decode_seq_lens, self.meta.decode_seq_lens + 1]), opens=opens,
+        both_lens = torch.cat([self.meta.decode_seq_lens, self.meta.decode_seq_lens + 1])
+        both_nblocks = ((both_lens + (self.block_size - 1)) // self.block_size).view(2, -1)  # x_t's, then the drafts'
+        return DraftRows(**vars(rows), draft_nblocks=both_nblocks[1], both_nblocks=both_nblocks,
+                         both_lens=both_lens, opens=opens,
                          opened=torch.where(opens, pos // self.block_size, -1).to(torch.int32),
                          draft_offset=pos % self.block_size)
 
@@ -246,34 +271,34 @@ class OasisPolicy(TieredPolicy):
         layers' compute: nothing else touches those layers' working sets or slots until the next
         step's wait_for_prefetch (or the graph's end)."""
         group, self.waiting = self.waiting, []
-        layers, queries = [layer for layer, _ in group], [q for _, q in group]
+        layers, scores = [layer for layer, _ in group], [s for _, s in group]
         if not self.cuda:
             with self.timer("prefetch"):
-                self.predict(layers, queries, rows.draft_nblocks)
+                self.predict(layers, scores, rows.draft_nblocks)
             return
         side, capturing = self.copy_stream, torch.cuda.is_current_stream_capturing()
-        side.wait_stream(torch.cuda.current_stream())  # the draft's queries, and readers of slots it evicts
-        self.keep_alive((*queries, rows.draft_nblocks, self.rows, self.host_tables), side)
+        side.wait_stream(torch.cuda.current_stream())  # the draft's scores, and readers of slots it evicts
+        self.keep_alive((*scores, rows.draft_nblocks, self.rows, self.host_tables), side)
         with torch.cuda.stream(side):
             start = None if capturing else self.clock.mark(side)  # no timing events in a graph
-            self.predict(layers, queries, rows.draft_nblocks)
+            self.predict(layers, scores, rows.draft_nblocks)
             if start is not None:
                 done = self.clock.close("prefetch", start, side)
                 for layer in layers:
                     self.prefetched[layer] = done
 
-    def predict(self, layers: list[int], queries: list[torch.Tensor], nblocks: torch.Tensor) -> None:
+    def predict(self, layers: list[int], draft_scores: list[torch.Tensor], nblocks: torch.Tensor) -> None:
         """On the current stream, for consecutive `layers` at once (rows = (layer, request) pairs):
-        prediction, placement, copies, and their counters (lane 1). `nblocks`: int32 [B], the drafts'
-        logical blocks."""
+        prediction, placement, copies, and their counters (lane 1). `draft_scores`: per layer the drafts'
+        block scores, fp32 [B, W + 1], all ranks' heads (score_now_and_draft); `nblocks`: int32 [B], the
+        drafts' logical blocks."""
         g, b = len(layers), len(nblocks)
         # fresh contiguous lists: with one request, reshape(-1) of an expanded row list is a stride-0 view,
         # which kernels indexing rows[i] read past
         layer_of = self.layer_ids[layers[0]: layers[-1] + 1].repeat_interleave(b)
         rows = self.rows.repeat(g)
         host_tables = self.host_tables.repeat(g, 1)
-        scores = self.combined(torch.cat([self.local_scores(layer, q, self.host_tables, nblocks)
-                                          for layer, q in zip(layers, queries)]))  # one collective per group
+        scores = torch.cat(draft_scores)
         plan = predict_prefetch if self.cuda else predict_prefetch_reference  # one kernel on the GPU
         _, predicted, fetch = plan(scores, nblocks.repeat(g), self.budget_blocks, self.cfg.sink_blocks,
                                    self.cfg.local_blocks, self.fetch_cap_blocks, self.ws.max_blocks + 1,

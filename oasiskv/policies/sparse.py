@@ -120,8 +120,11 @@ class SparsePolicy(KVPolicy):
     # -- shared pieces ---------------------------------------------------------------------------
     def select(self, layer: int, q: torch.Tensor, score_tables: torch.Tensor):
         """Selection of each decode query: (counts [B], padded logical ids int32 [B, K], -1 = none)."""
+        return self.select_by(self.score_blocks(layer, q, score_tables, self.rows_now.nblocks))
+
+    def select_by(self, scores: torch.Tensor):
+        """`select` from the decode queries' block scores, fp32 [B, blocks] (all ranks' heads)."""
         nblocks = self.rows_now.nblocks
-        scores = self.score_blocks(layer, q, score_tables, nblocks)
         select = select_blocks_fused if self.cuda else select_blocks_padded
         counts, padded = select(scores, nblocks, self.budget_blocks, self.cfg.sink_blocks, self.cfg.local_blocks)
         self.selected_on_device += counts.sum()  # summed on the device: no sync per layer
