@@ -67,6 +67,7 @@ def print_streams(prof, steps: int, keep: str | None = None) -> None:
     with (gzip.open(path, "rt") if keep else open(path)) as f:
         events = json.load(f)["traceEvents"]
     if keep:
+        os.makedirs(os.path.dirname(keep) or ".", exist_ok=True)
         shutil.copy(path, keep)
     busy, first, last = defaultdict(float), float("inf"), 0.0
     for e in events:

@@ -8,6 +8,7 @@ import weakref
 import torch
 
 from oasiskv.config import ModelConfig
+from oasiskv.kernels.host_gather import _host_device_view
 from oasiskv.kernels.host_tokens import store_tokens_to_host
 
 GiB = 1 << 30
@@ -47,6 +48,12 @@ class HostStore:
     def layer(self, i: int) -> torch.Tensor:
         return self.kv[i]
 
+    def device_view(self, device: torch.device) -> torch.Tensor:
+        """The pinned store as a CUDA tensor of the same shape and dtype, aliasing it through UVA:
+        kernels that read it read host memory over PCIe."""
+        words = _host_device_view(self.kv, self.kv.element_size(), device)
+        return words.view(self.kv.dtype).view(self.kv.shape)
+
     @property
     def chunk_bytes(self) -> int:
         return self.kv[0, 0].numel() * self.kv.element_size()
@@ -59,9 +66,14 @@ class HostStore:
 
     def read_prefix(self, layer: int, blocks: torch.Tensor, num_tokens: int, device: torch.device):
         """K and V of the first num_tokens tokens stored in these blocks: [num_tokens, Hkv, D] each."""
-        if device.type == "cuda":  # the host reads what the device may still be writing
-            torch.cuda.current_stream(device).synchronize()
-        chunk = self.kv[layer][blocks.cpu()].to(device)
+        if device.type == "cuda" and self.kv.is_pinned():
+            # gathered on the GPU from the store's device address: PCIe reads, no host copy, and no
+            # sync (the prefill's writes to the store are on the same stream)
+            chunk = self.device_view(device)[layer].index_select(0, blocks.to(device, non_blocking=True))
+        else:
+            if device.type == "cuda":  # the host reads what the device may still be writing
+                torch.cuda.current_stream(device).synchronize()
+            chunk = self.kv[layer][blocks.cpu()].to(device)
         k = chunk[:, 0].reshape(-1, *chunk.shape[-2:])[:num_tokens]
         v = chunk[:, 1].reshape(-1, *chunk.shape[-2:])[:num_tokens]
         return k, v
