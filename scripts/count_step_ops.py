@@ -87,9 +87,14 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--modes", default="quest,oasis")
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--layers", type=int, default=2, help="layers of the tiny model (more: per-layer ops stand out)")
     args = p.parse_args()
     torch.set_num_threads(1)
     tiny = write_tiny_config(tempfile.mkdtemp())
+    with open(os.path.join(tiny, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(tiny, "config.json"), "w") as f:
+        json.dump({**config, "num_hidden_layers": args.layers}, f)
     force_gpu_kernel_paths()
     import oasiskv.models.llama as llama
     from oasiskv.kernels.rms_norm import rms_norm

@@ -293,14 +293,17 @@ def block_scores_multi(
     return _launch_scores(q, summaries, block_tables, num_blocks)
 
 
-def _launch_scores(q, summaries, block_tables, num_blocks) -> torch.Tensor:
+def _launch_scores(q, summaries, block_tables, num_blocks, block_n: int = _BLOCK_N, num_warps: int = 4,
+                   num_stages: int | None = None) -> torch.Tensor:
+    """`block_n`, `num_warps`, `num_stages`: tuning (scripts/gpu_score_bench.py times them)."""
     nq, bsz, hq, d = q.shape
     hkv = summaries.shape[2]
     max_blocks = block_tables.shape[1]
     scores = torch.empty((nq, bsz, max_blocks), dtype=torch.float32, device=q.device)
     if bsz == 0 or max_blocks == 0:
         return scores
-    grid = (bsz, triton.cdiv(max_blocks, _BLOCK_N))
+    grid = (bsz, triton.cdiv(max_blocks, block_n))
+    stages = {} if num_stages is None else {"num_stages": num_stages}
     _block_scores_kernel[grid](
         q,
         summaries,
@@ -318,9 +321,10 @@ def _launch_scores(q, summaries, block_tables, num_blocks) -> torch.Tensor:
         NQ_POW2=triton.next_power_of_2(nq),
         HKV=hkv,
         GROUP=hq // hkv,
-        BLOCK_N=_BLOCK_N,
+        BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(d),
-        num_warps=4,
+        num_warps=num_warps,
+        **stages,
     )
     return scores
 

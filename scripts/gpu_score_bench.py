@@ -1,0 +1,86 @@
+"""Block scoring (kernels/block_select.py) at the engine's decode shape, per tuning: microseconds per call
+as CUDA-graph replays of one call per layer, and the summaries' read bandwidth against the HBM's. Checks
+each variant's scores equal the default's first.
+
+    PYTHONPATH=. python scripts/gpu_score_bench.py [--batch 16] [--blocks 1025] [--json FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+from oasiskv.kernels.block_select import _launch_scores
+
+
+def inputs(batch: int, blocks: int, nq: int, hq: int, hkv: int, d: int):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    pool = batch * blocks + 7
+    lo = torch.randn(pool, hkv, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    summaries = torch.stack([lo, lo + torch.rand(pool, hkv, d, device="cuda", generator=g).bfloat16()], 1)
+    q = torch.randn(nq, batch, hq, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    tables = torch.randperm(pool, device="cuda", generator=g)[:batch * blocks].view(batch, blocks).int()
+    counts = torch.full((nq, batch), blocks, dtype=torch.int32, device="cuda")
+    counts[0] -= 1  # x_t: one block fewer than its draft
+    return q, summaries, tables, counts
+
+
+def time_calls(fn, calls: int, repeats: int = 20) -> float:
+    """Microseconds per call, from graph replays of `calls` calls."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (repeats * calls)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--blocks", type=int, default=1025)
+    p.add_argument("--heads", default="32,8,128", help="Hq,Hkv,D (qwen3-8b)")
+    p.add_argument("--layers", type=int, default=36, help="calls per graph")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    hq, hkv, d = (int(x) for x in args.heads.split(","))
+    peak = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    copy_us = time_calls(lambda: peak.clone(), 4)
+    hbm = 2 * peak.numel() / copy_us / 1e3  # GB/s, read + write
+    rows = []
+    for nq in (1, 2):
+        q, summaries, tables, counts = inputs(args.batch, args.blocks, nq, hq, hkv, d)
+        ref = _launch_scores(q, summaries, tables, counts)
+        read = args.batch * args.blocks * summaries[0].numel() * summaries.element_size()
+        for block_n, warps, stages in itertools.product((16, 32, 64, 128), (2, 4, 8), (None, 3)):
+            run = lambda: _launch_scores(q, summaries, tables, counts, block_n, warps, stages)  # noqa: E731
+            same = torch.equal(run(), ref)
+            us = time_calls(run, args.layers)
+            row = {"nq": nq, "block_n": block_n, "num_warps": warps, "num_stages": stages, "us": round(us, 2),
+                   "gbps": round(read / us / 1e3, 1), "hbm_gbps": round(hbm, 1), "equal": same}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    for nq in (1, 2):
+        best = min((r for r in rows if r["nq"] == nq and r["equal"]), key=lambda r: r["us"])
+        default = next(r for r in rows if r["nq"] == nq and (r["block_n"], r["num_warps"], r["num_stages"]) == (32, 4, None))
+        print(f"nq={nq}: default {default['us']} us ({default['gbps']} GB/s), best {best['us']} us ({best['gbps']} GB/s) "
+              f"at block_n={best['block_n']} num_warps={best['num_warps']} num_stages={best['num_stages']}; "
+              f"HBM copy {hbm:.0f} GB/s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
