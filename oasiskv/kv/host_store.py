@@ -9,7 +9,7 @@ import torch
 
 from oasiskv.config import ModelConfig
 from oasiskv.kernels.host_gather import _host_device_view
-from oasiskv.kernels.host_tokens import store_tokens_to_host
+from oasiskv.kernels.host_tokens import store_tokens_to_host, store_tokens_to_host_reference
 
 GiB = 1 << 30
 
@@ -61,8 +61,10 @@ class HostStore:
     def write_tokens(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor) -> None:
         """Prefill writes: token i's K/V to (blocks[i], offsets[i]) of this layer. From CUDA tensors
-        into a pinned store: asynchronous, on the current stream (kernels/host_tokens.py)."""
-        store_tokens_to_host(k, v, self.kv, layer, blocks, offsets)
+        into a pinned store: asynchronous, on the current stream (kernels/host_tokens.py). CPU tensors
+        take the torch form (not the interpreted kernel, which runs a Python program per token)."""
+        store = store_tokens_to_host if k.is_cuda else store_tokens_to_host_reference
+        store(k, v, self.kv, layer, blocks, offsets)
 
     def read_prefix(self, layer: int, blocks: torch.Tensor, num_tokens: int, device: torch.device):
         """K and V of the first num_tokens tokens stored in these blocks: [num_tokens, Hkv, D] each."""
