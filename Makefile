@@ -4,7 +4,8 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # CPU-only machines take the CPU build of torch that lies on disk; a bare `torch` would pull CUDA.
 TORCH  := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.11" || echo "torch==2.13.0")
-# pytest-xdist processes: most tests are bound by one core's Python, so two workers use both cores
+# pytest-xdist processes: most tests are bound by one core's Python, so two workers use both cores;
+# worksteal: a worker that runs dry takes queued tests from the other (a few tests take minutes)
 TEST_WORKERS ?= 2
 DEMO_PROMPT ?= Who is Mr. Bingley, and what does Mrs. Bennet hope for? Answer in two sentences.
 DEMO_TEXT   ?= oasiskv/evals/sample_pride_and_prejudice.txt
@@ -28,7 +29,7 @@ demo: $(STAMP)
 		--max-tokens 96 --temperature 0 $(DEMO_FLAGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 clean:
 	rm -rf $(VENV)
