@@ -87,6 +87,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--modes", default="quest,oasis")
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--opens", action="store_true", help="count a step in which every draft opens a block")
     p.add_argument("--layers", type=int, default=2, help="layers of the tiny model (more: per-layer ops stand out)")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -112,8 +113,11 @@ def main() -> None:
                            scheduler=SchedulerConfig(max_model_len=1024))
         engine = LLMEngine(cfg)
         g = torch.Generator().manual_seed(0)
-        for i in range(3):  # 300 tokens each: no block opens in the counted step (300 + 3 < 304)
-            engine.add_request(torch.randint(3, 512, (300,), generator=g).tolist(),
+        # 300 tokens each: no block opens in the counted step (300 + 3 < 304); with --opens, 301: every
+        # request's x_t fills its tail block there, so its draft opens the next one
+        prompt_len = 301 if args.opens else 300
+        for i in range(3):
+            engine.add_request(torch.randint(3, 512, (prompt_len,), generator=g).tolist(),
                                SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), request_id=str(i))
         for _ in range(3):  # prefill, the cold first decode, one steady step
             engine.step()

@@ -184,11 +184,11 @@ class RemoteOasisPolicy(OasisPolicy):
             (stream or torch.cuda.current_stream()).synchronize()
         self.remote.chunks.trim()
 
-    def spill_full_tails(self, layer, fill, tail_slots, tail_host) -> None:
-        full = (fill == self.block_size).tolist()
-        entries = [self.remote.chunks.own(rid, layer, block) if f else -1
-                   for rid, block, f in zip(self.meta.decode_request_ids, tail_host.tolist(), full)]
-        super().spill_full_tails(layer, fill, tail_slots, torch.tensor(entries, device=tail_host.device))
+    def spill_full_tails(self, layer, tail_slots, dst=None) -> None:
+        rows = self.rows_now
+        tails = zip(self.meta.decode_request_ids, rows.tail_block.tolist(), rows.full.tolist())
+        entries = [self.remote.chunks.own(rid, layer, block) if full else -1 for rid, block, full in tails]
+        super().spill_full_tails(layer, tail_slots, torch.tensor(entries, dtype=torch.int32, device=tail_slots.device))
 
     def release(self, request_id: str) -> None:
         super().release(request_id)

@@ -28,13 +28,12 @@ from oasiskv.kernels.residency import COUNTERS as RESIDENCY_COUNTERS
 from oasiskv.kernels.residency import resident_selection, resident_selection_reference
 from oasiskv.kernels.paged_decode import paged_decode_attention, paged_decode_reference
 from oasiskv.kernels.sparse_decode import sparse_decode_attention_padded, sparse_decode_padded_reference
-from oasiskv.policies.sparse import DecodeRows
-from oasiskv.policies.tiered import TieredPolicy
+from oasiskv.policies.tiered import TieredPolicy, TieredRows
 
 
 @dataclass
-class DraftRows(DecodeRows):
-    """DecodeRows plus the draft token's: it sits at position seq_len, one past x_t."""
+class DraftRows(TieredRows):
+    """TieredRows plus the draft token's: it sits at position seq_len, one past x_t."""
     draft_nblocks: torch.Tensor  # int32 [B]: logical blocks it spans
     both_nblocks: torch.Tensor   # int32 [2, B]: x_t's logical blocks, then the drafts'
     both_lens: torch.Tensor      # int32 [2B]: x_t's lengths, then the drafts'
@@ -147,14 +146,14 @@ class OasisPolicy(TieredPolicy):
         # the draft goes where x_{t+1} will: x_t's tail block unless x_t filled it (then a block it opens)
         together = self.tails_resident and not self.any_opens
         draft_kv = (k[real:], v[real:])
-        tail_slots, fill, tail_host = self.write_tail(layer, k[:nd], v[:nd], draft_kv if together else None)
+        tail_slots = self.write_tail(layer, k[:nd], v[:nd], draft_kv if together else None)
         dense = self.is_dense_layer(layer)
         attended, draft_scores = self.resident_selection(layer, q, dense)
         opened = self.rows_now.opened if together else self.write_draft_kv(layer, tail_slots, attended, *draft_kv)
         with self.timer("attention"):
             self.attend_with_draft(layer, q, out, attended, opened, dense)
         if self.any_opens:  # x_t filled some tail block (the same condition)
-            self.spill_full_tails(layer, fill, tail_slots, tail_host)
+            self.spill_full_tails(layer, tail_slots)
         if not dense:
             self.waiting.append((layer, draft_scores))
             if layer in self.group_ends:
@@ -256,7 +255,7 @@ class OasisPolicy(TieredPolicy):
         rows = self.rows_now
         slot = tail_slots
         if self.any_opens:
-            protect = self.mask_of(attended) | self.mask_of(rows.opened[:, None])
+            protect = self.mask_of(torch.cat([attended, rows.opened[:, None]], 1))
             _, slots = self.ws.place(layer, self.rows, rows.opened[:, None], protect, self.step_tensor)
             slot = torch.where(rows.opens, slots[:, 0].long(), tail_slots)
         gpu_kv = self.pool.layer(layer)

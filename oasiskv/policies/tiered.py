@@ -9,6 +9,8 @@ RetrievalPolicy is the baseline: per layer, the selection's missing blocks are g
 that layer's attention, on the critical path."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from oasiskv.config import KVConfig
@@ -20,7 +22,15 @@ from oasiskv.kv.host_store import HostStore
 from oasiskv.kv.summaries import BlockSummaries
 from oasiskv.kv.working_set import WorkingSet
 from oasiskv.policies.dense import sdpa
-from oasiskv.policies.sparse import SparsePolicy
+from oasiskv.policies.sparse import DecodeRows, SparsePolicy
+
+
+@dataclass
+class TieredRows(DecodeRows):
+    """DecodeRows plus what writing filled tails to the host needs, once per step rather than per layer."""
+    full: torch.Tensor        # bool [B]: x_t fills its tail block this step
+    spill_dst: torch.Tensor   # int32 [B]: that block's host block where full, else -1
+    layer_rows: torch.Tensor  # int32 [layers, B]: row i holds layer i's id (copy lists name a layer per entry)
 
 
 class TieredPolicy(SparsePolicy):
@@ -41,6 +51,7 @@ class TieredPolicy(SparsePolicy):
         self.counter_ids: dict[tuple[int, ...], torch.Tensor] = {}  # made once: no host copy in a capture
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.capture_refs: list[torch.Tensor] = []  # read by the copy stream in a capture: kept till its end
+        self.layer_range = torch.arange(pool.kv.shape[0], dtype=torch.int32, device=device)
 
     # -- counters (on the device; read only by stats and at release) ------------------------------
     def count(self, name: str, per_row: torch.Tensor, lane: int = 0) -> None:
@@ -132,7 +143,7 @@ class TieredPolicy(SparsePolicy):
         """Appends each decode token's K/V to its tail block (made resident first: after a prefill the
         tail's earlier tokens are on the host) and refreshes that block's summary. `draft`: (k, v) of
         tokens one position later in the same blocks, written too (only when tails are resident).
-        Returns (tail slot [B] long, tokens in the tail [B], the tail's host block [B])."""
+        Returns each tail's slot, long [B]."""
         rows = self.rows_now
         tail, fill, tail_host = rows.tail, rows.fill, rows.tail_block
         gpu_kv = self.pool.layer(layer)
@@ -140,7 +151,7 @@ class TieredPolicy(SparsePolicy):
             append = append_to_tails if self.cuda else append_to_tails_reference
             tail_slots = append(gpu_kv, self.ws._slot_of, layer, self.rows, tail, fill, k, v, *(draft or (None, None)))
             self.summaries.update_from(layer, gpu_kv, tail_slots, rows.fill32, tail_host)
-            return tail_slots.long(), fill, tail_host
+            return tail_slots.long()
         if draft is not None:
             raise ValueError("draft K/V are written with the tail only when the tails are resident")
         wanted = tail[:, None].to(torch.int32)
@@ -151,7 +162,7 @@ class TieredPolicy(SparsePolicy):
         gpu_kv[tail_slots, 0, fill - 1] = k
         gpu_kv[tail_slots, 1, fill - 1] = v
         self.summaries.update_from(layer, gpu_kv, tail_slots.to(torch.int32), rows.fill32, tail_host)
-        return tail_slots, fill, tail_host
+        return tail_slots
 
     def mask_of(self, blocks: torch.Tensor, width: int | None = None) -> torch.Tensor:
         """bool [B, width]: the logical blocks listed in `blocks` (int32 [B, K], -1 = none)."""
@@ -193,15 +204,21 @@ class TieredPolicy(SparsePolicy):
             self.keep_alive(copies, stream)
         gather_host_blocks(self.host.kv, self.pool.kv, *copies, stream=stream, programs=programs)
 
-    def spill_full_tails(self, layer, fill, tail_slots, tail_host) -> None:
+    def derive_rows(self) -> TieredRows:
+        rows = super().derive_rows()
+        full = rows.fill == self.block_size
+        return TieredRows(**vars(rows), full=full, spill_dst=torch.where(full, rows.tail_block, -1).to(torch.int32),
+                          layer_rows=self.layer_range[:, None].expand(-1, len(full)).contiguous())
+
+    def spill_full_tails(self, layer, tail_slots, dst=None) -> None:
         """A tail block that just filled is written once to the host store; it stays resident. On the
-        GPU the copy runs on the copy stream, which later fetches of the same block follow in order."""
-        full = fill == self.block_size
-        src = torch.where(full, tail_slots, -1).to(torch.int32)
-        dst = torch.where(full, tail_host.long(), -1).to(torch.int32)
-        layers = torch.full_like(src, layer)
+        GPU the copy runs on the copy stream, which later fetches of the same block follow in order.
+        `dst`: int32 [B], the host blocks to write (-1: none); default each full tail's own."""
+        rows = self.rows_now
+        src = torch.where(rows.full, tail_slots, -1).to(torch.int32)
+        dst, layers = rows.spill_dst if dst is None else dst, rows.layer_rows[layer]
         if not self.cuda:
-            keep = full
+            keep = rows.full
             store_blocks_to_host_reference(self.pool.kv, self.host.kv, layers[keep], src[keep], dst[keep])
             return
         self.copy_stream.wait_stream(torch.cuda.current_stream())
@@ -240,7 +257,7 @@ class RetrievalPolicy(TieredPolicy):
         nd = self.meta.num_decode
         q, k, v = q[:nd], k[:nd], v[:nd]
         self.wait_for_copies()  # tail spills of the previous layer/step precede any re-fetch
-        tail_slots, fill, tail_host = self.write_tail(layer, k, v)
+        tail_slots = self.write_tail(layer, k, v)
         if self.is_dense_layer(layer):
             wanted, selection = self.rows_now.every_block, None
         else:
@@ -255,5 +272,5 @@ class RetrievalPolicy(TieredPolicy):
         tables = self.ws.table(layer, self.rows, self.meta.decode_block_tables.shape[1])
         with self.timer("attention"):
             out[:nd] = self.attention(q, self.pool.layer(layer), tables, selection)
-        self.spill_full_tails(layer, fill, tail_slots, tail_host)
+        self.spill_full_tails(layer, tail_slots)
         self.flush_counts(layer)
