@@ -1,6 +1,6 @@
 """Block scoring (kernels/block_select.py) at the engine's decode shape, per tuning: microseconds per call
-as CUDA-graph replays of one call per layer, and the summaries' read bandwidth against the HBM's. Checks
-each variant's scores equal the default's first.
+as CUDA-graph replays of one call per layer (gpu_select_bench's per_call_us), the summaries' read
+bandwidth against the HBM copy's, and whether each variant's scores equal the default tuning's.
 
     PYTHONPATH=. python scripts/gpu_score_bench.py [--batch 16] [--blocks 1025] [--json FILE]
 """
@@ -13,6 +13,7 @@ import json
 import torch
 
 from oasiskv.kernels.block_select import _launch_scores
+from scripts.gpu_select_bench import per_call_us
 
 
 def inputs(batch: int, blocks: int, nq: int, hq: int, hkv: int, d: int):
@@ -27,25 +28,6 @@ def inputs(batch: int, blocks: int, nq: int, hq: int, hkv: int, d: int):
     return q, summaries, tables, counts
 
 
-def time_calls(fn, calls: int, repeats: int = 20) -> float:
-    """Microseconds per call, from graph replays of `calls` calls."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (repeats * calls)
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=16)
@@ -56,7 +38,7 @@ def main() -> None:
     args = p.parse_args()
     hq, hkv, d = (int(x) for x in args.heads.split(","))
     peak = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
-    copy_us = time_calls(lambda: peak.clone(), 4)
+    copy_us = per_call_us(lambda: peak.clone(), 4)
     hbm = 2 * peak.numel() / copy_us / 1e3  # GB/s, read + write
     rows = []
     for nq in (1, 2):
@@ -66,17 +48,18 @@ def main() -> None:
         for block_n, warps, stages in itertools.product((16, 32, 64, 128), (2, 4, 8), (None, 3)):
             run = lambda: _launch_scores(q, summaries, tables, counts, block_n, warps, stages)  # noqa: E731
             same = torch.equal(run(), ref)
-            us = time_calls(run, args.layers)
+            us = per_call_us(run, args.layers)
             row = {"nq": nq, "block_n": block_n, "num_warps": warps, "num_stages": stages, "us": round(us, 2),
                    "gbps": round(read / us / 1e3, 1), "hbm_gbps": round(hbm, 1), "equal": same}
             rows.append(row)
             print(json.dumps(row), flush=True)
     for nq in (1, 2):
         best = min((r for r in rows if r["nq"] == nq and r["equal"]), key=lambda r: r["us"])
-        default = next(r for r in rows if r["nq"] == nq and (r["block_n"], r["num_warps"], r["num_stages"]) == (32, 4, None))
-        print(f"nq={nq}: default {default['us']} us ({default['gbps']} GB/s), best {best['us']} us ({best['gbps']} GB/s) "
-              f"at block_n={best['block_n']} num_warps={best['num_warps']} num_stages={best['num_stages']}; "
-              f"HBM copy {hbm:.0f} GB/s")
+        default = next(r for r in rows
+                       if r["nq"] == nq and (r["block_n"], r["num_warps"], r["num_stages"]) == (32, 4, None))
+        print(f"nq={nq}: default {default['us']} us ({default['gbps']} GB/s), "
+              f"best {best['us']} us ({best['gbps']} GB/s) at block_n={best['block_n']} "
+              f"num_warps={best['num_warps']} num_stages={best['num_stages']}; HBM copy {hbm:.0f} GB/s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

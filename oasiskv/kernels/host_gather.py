@@ -17,7 +17,7 @@ with one launch that runs at PCIe speed (see /work/shared/DESIGN.md "Transfer ph
 
 How the device gets at host memory: a pinned tensor (cudaHostAlloc, as torch's pin_memory does)
 is mapped into the device address space under UVA at the same address, so the host pointer is
-itself a valid device pointer. `_host_device_view` wraps it as a CUDA tensor through the
+itself a valid device pointer. `host_device_view` wraps it as a CUDA tensor through the
 `__cuda_array_interface__` protocol (torch.as_tensor), which Triton accepts like any CUDA tensor
 (the reference probe does the same through CuPy's UnownedMemory; this needs no CuPy). Triton's
 launcher also translates the pointer with cuPointerGetAttribute(DEVICE_POINTER), so systems where the
@@ -53,6 +53,7 @@ from oasiskv.kernels.device_info import num_sms
 __all__ = [
     "gather_host_blocks",
     "gather_host_blocks_reference",
+    "host_device_view",
     "store_blocks_to_host",
     "store_blocks_to_host_reference",
 ]
@@ -98,7 +99,7 @@ def _copy_chunk(src_ptr, dst_ptr, layer_ptr, src_idx_ptr, dst_idx_ptr, src_layer
 # ----------------------------------------------------------------------------------------------
 # helpers
 
-_WORD_DTYPES = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
+WORD_DTYPES = {4: torch.int32, 2: torch.int16, 1: torch.uint8}  # same-size integer views: exact copies
 _TYPESTR = {torch.int32: "<i4", torch.int16: "<i2", torch.uint8: "|u1"}
 _warned_unpinned = False
 
@@ -151,7 +152,7 @@ def _chunk_numel(t: torch.Tensor) -> int:
 
 
 def _words(t: torch.Tensor, w: int) -> torch.Tensor:
-    return t.view(-1).view(torch.uint8).view(_WORD_DTYPES[w]) if t.numel() else t.view(-1)
+    return t.view(-1).view(torch.uint8).view(WORD_DTYPES[w]) if t.numel() else t.view(-1)
 
 
 class _CudaArrayInterface:
@@ -164,14 +165,14 @@ class _CudaArrayInterface:
 _VIEW_CACHE: dict[tuple, torch.Tensor] = {}
 
 
-def _host_device_view(host: torch.Tensor, w: int, device: torch.device) -> torch.Tensor:
+def host_device_view(host: torch.Tensor, w: int, device: torch.device) -> torch.Tensor:
     """A 1-D CUDA tensor of w-byte words aliasing the pinned host tensor `host` through UVA.
     Cached per host tensor object; the entry goes when that object is collected."""
     n_words = host.numel() * host.element_size() // w
     key = (id(host), host.data_ptr(), n_words, w, str(device))
     view = _VIEW_CACHE.get(key)
     if view is None:
-        cai = _CudaArrayInterface(host.data_ptr(), n_words, _TYPESTR[_WORD_DTYPES[w]])
+        cai = _CudaArrayInterface(host.data_ptr(), n_words, _TYPESTR[WORD_DTYPES[w]])
         view = torch.as_tensor(cai, device=device)
         if view.data_ptr() != host.data_ptr() or view.device.type != "cuda":
             raise RuntimeError("could not map the pinned host store into the device address space")
@@ -223,8 +224,8 @@ def _cuda_plan(src: torch.Tensor, dst: torch.Tensor):
             dev = dst.device if dst.is_cuda else src.device
             w = _word_size(src, dst)
             plan = (
-                _words(src, w) if src.is_cuda else _host_device_view(src, w, dev),
-                _words(dst, w) if dst.is_cuda else _host_device_view(dst, w, dev),
+                _words(src, w) if src.is_cuda else host_device_view(src, w, dev),
+                _words(dst, w) if dst.is_cuda else host_device_view(dst, w, dev),
                 src.stride(0) * src.element_size() // w,
                 dst.stride(0) * dst.element_size() // w,
                 _chunk_numel(src) * src.element_size() // w,

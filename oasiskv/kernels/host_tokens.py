@@ -7,8 +7,8 @@ host_kv is the host store [layers, blocks, 2, block_size, Hkv, D]; k and v are [
 token's [Hkv, D] row contiguous. On CUDA with a pinned store, one program per token stores its two
 rows through the store's UVA device address (kernels/host_gather.py explains the mapping): the
 bytes cross PCIe once, and nothing waits on the host. The torch form it replaces copied K and V to
-pageable memory and scattered them on the CPU, synchronously, layer by layer: about 1 s of host time
-per 16K-token prompt of Qwen3-8B, against ~0.05 s of PCIe traffic.
+pageable memory and scattered them on the CPU, synchronously, layer by layer (docs/BENCHMARKS.md,
+eighth session, has the end-to-end effect on a 16K-prompt run).
 
 The copy is of the elements' bits (integer words of the element size), so it is exact for any dtype.
 It is asynchronous on the current stream: host code that reads the store must synchronise first
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from oasiskv.kernels.host_gather import _WORD_DTYPES, _host_device_view
+from oasiskv.kernels.host_gather import WORD_DTYPES, host_device_view
 
 __all__ = ["store_tokens_to_host", "store_tokens_to_host_reference"]
 
@@ -83,8 +83,8 @@ def store_tokens_to_host(k, v, host_kv, layer, blocks, offsets) -> None:
         return
     if k.shape[0] == 0:
         return
-    word = _WORD_DTYPES[host_kv.element_size()]
-    host = host_kv.view(-1).view(word) if interpret else _host_device_view(host_kv, host_kv.element_size(), k.device)
+    word = WORD_DTYPES[host_kv.element_size()]
+    host = host_kv.view(-1).view(word) if interpret else host_device_view(host_kv, host_kv.element_size(), k.device)
     s = host_kv.stride()
     row = s[3]  # Hkv * D elements
     _store_tokens_kernel[(k.shape[0],)](

@@ -8,7 +8,7 @@ import weakref
 import torch
 
 from oasiskv.config import ModelConfig
-from oasiskv.kernels.host_gather import _host_device_view
+from oasiskv.kernels.host_gather import host_device_view
 from oasiskv.kernels.host_tokens import store_tokens_to_host, store_tokens_to_host_reference
 
 GiB = 1 << 30
@@ -51,7 +51,7 @@ class HostStore:
     def device_view(self, device: torch.device) -> torch.Tensor:
         """The pinned store as a CUDA tensor of the same shape and dtype, aliasing it through UVA:
         kernels that read it read host memory over PCIe."""
-        words = _host_device_view(self.kv, self.kv.element_size(), device)
+        words = host_device_view(self.kv, self.kv.element_size(), device)
         return words.view(self.kv.dtype).view(self.kv.shape)
 
     @property

@@ -241,7 +241,7 @@ class OasisPolicy(TieredPolicy):
     def derive_rows(self) -> DraftRows:
         rows = super().derive_rows()
         pos = self.meta.decode_seq_lens.long()  # the draft's position
-        opens = rows.fill == self.block_size
+        opens = rows.full  # x_t fills its tail, so the draft starts the next block
         both_lens = torch.cat([self.meta.decode_seq_lens, self.meta.decode_seq_lens + 1])
         both_nblocks = ((both_lens + (self.block_size - 1)) // self.block_size).view(2, -1)  # x_t's, then the drafts'
         return DraftRows(**vars(rows), draft_nblocks=both_nblocks[1], both_nblocks=both_nblocks,
