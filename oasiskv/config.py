@@ -204,11 +204,23 @@ class DisaggConfig:
             raise ValueError(f"--local-kv-blocks must be >= 1, got {self.local_kv_blocks}")
 
 
+SCHEDULE_POLICIES = ("mixed", "prefill-first")
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096  # per step; long prompts are prefilled in chunks of this size
     max_model_len: int | None = None  # default: the model's max_position_embeddings
+    # mixed: each step runs every decode, then prefill chunks in the token budget left (no decode waits);
+    # prefill-first: while a prompt can be admitted or a prefill is unfinished, steps run prefill chunks
+    # only and decodes wait (SGLang's default); decode steps then stay pure, and replay CUDA graphs
+    schedule_policy: str = "mixed"
+
+    def __post_init__(self):
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, "
+                             f"got {self.schedule_policy!r}")
 
 
 @dataclass(frozen=True)

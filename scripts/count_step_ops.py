@@ -55,12 +55,14 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.by_site: Counter = Counter()
         self.by_op: Counter = Counter()
+        self.by_pair: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name, site = str(func), call_site(sys._getframe(1))
         if name not in SKIP and site is not None and "._check" not in site:  # checks run on the CPU only
             self.by_site[site] += 1
             self.by_op[name] += 1
+            self.by_pair[site, name] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -88,6 +90,7 @@ def main() -> None:
     p.add_argument("--modes", default="quest,oasis")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--opens", action="store_true", help="count a step in which every draft opens a block")
+    p.add_argument("--pairs", action="store_true", help="also list the ops of each policy function")
     p.add_argument("--layers", type=int, default=2, help="layers of the tiny model (more: per-layer ops stand out)")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -131,6 +134,10 @@ def main() -> None:
         for site, n in counter.by_site.most_common(args.top):
             print(f"  {n:5d}  {site}")
         print("  by op:", ", ".join(f"{op.removeprefix('aten.')} {n}" for op, n in counter.by_op.most_common(12)))
+        if args.pairs:
+            for (site, op), n in sorted(counter.by_pair.items()):
+                if site.startswith(("policies", "kv", "kernels")):
+                    print(f"    {n:5d}  {site}  {op.removeprefix('aten.')}")
 
 
 if __name__ == "__main__":

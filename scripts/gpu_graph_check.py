@@ -112,14 +112,15 @@ def check(args) -> bool:
 
 def time_steps(args) -> list[dict]:
     rows = []
-    prompts = prompts_for(args.time_batch, args.time_context, stride=0)
     host_modes = ("oasis", "retrieval")
-    variants = [(mode, eager, group, programs, ws) for mode in args.time_modes.split(",")
+    variants = [(mode, eager, group, programs, ws, stride) for stride in [int(s) for s in args.time_strides.split(",")]
+                for mode in args.time_modes.split(",")
                 for eager in ((False, True) if args.time_eager else (False,))
                 for group in ([int(g) for g in args.predict_groups.split(",")] if mode == "oasis" else [None])
                 for programs in ([int(p) for p in args.prefetch_programs.split(",")] if mode == "oasis" else [None])
                 for ws in ([int(w) or None for w in args.working_sets.split(",")] if mode in host_modes else [None])]
-    for mode, eager, group, programs, ws in variants:
+    for mode, eager, group, programs, ws, stride in variants:
+        prompts = prompts_for(args.time_batch, args.time_context, stride=stride)
         kv = {"fetch_cap": args.fetch_cap} if mode == "oasis" else {}
         kv.update({"working_set": ws} if ws else {})
         if group:
@@ -145,7 +146,7 @@ def time_steps(args) -> list[dict]:
         ms = (time.perf_counter() - t) / n * 1000
         st = engine.stats_dict()
         row = {"mode": mode, "cuda_graphs": not eager, "predict_group": group, "prefetch_programs": programs,
-               "working_set": ws,
+               "working_set": ws, "prompt_stride": stride,
                "batch": args.time_batch,
                "context": args.time_context,
                "ms_per_step": round(ms, 2), "tok_per_s": round(args.time_batch / ms * 1000, 1),
@@ -181,6 +182,8 @@ def main() -> None:
                    "per block), one timing run each")
     p.add_argument("--working-sets", default="0", help="retrieval/oasis: --working-set values in tokens (0: the "
                    "budget), one timing run each")
+    p.add_argument("--time-strides", default="0", help="prompt i has time-context + i * stride tokens; 0: every "
+                   "draft opens a block in the same step, 1: one request's draft opens a block in most steps")
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--check-modes", default="dense,quest,retrieval,oasis")
     p.add_argument("--json", default=None)

@@ -2,6 +2,7 @@
 outputs that come from the target alone."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -188,3 +189,36 @@ def check_resident_blocks_equal_host(engine: LLMEngine) -> None:
 def test_impossible_oasis_configuration_is_a_clear_error(kv, message):
     with pytest.raises(ValueError, match=message):
         KVConfig(mode="oasis", budget=512, **kv).validate(16, 30)
+
+
+@pytest.mark.parametrize("mode", ["dense", "oasis"])
+def test_prefill_first_schedule_gives_the_tokens_of_the_mixed_schedule(tmp_path, mode):
+    """Requests arrive while others decode: prefill-first makes the decodes wait instead of sharing steps
+    with the prefills, and each request's greedy tokens stay the same."""
+    outputs, mixed_steps = {}, {}
+    for policy in ("mixed", "prefill-first"):
+        engine = tiny_engine(tmp_path, mode, **({"fetch_cap": 0.25, "draft": "ngram"} if mode == "oasis" else {}))
+        engine.scheduler.cfg = dataclasses.replace(engine.scheduler.cfg, schedule_policy=policy)
+        schedule, mixed_steps[policy] = engine.scheduler.schedule, 0
+
+        def recording():
+            out = schedule()
+            sizes = {len(c.token_ids) > 1 for c in out.chunks}
+            mixed_steps[policy] += sizes == {True, False}  # decodes and prefill chunks in one step
+            return out
+
+        engine.scheduler.schedule = recording
+        gen = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(0, 256, (100 + 30 * i,), generator=gen).tolist() for i in range(4)]
+        for step in range(18):
+            if step % 6 == 0:
+                engine.add_request(prompts[step // 6], SP(temperature=0, max_tokens=20, ignore_eos=True),
+                                   request_id=str(step // 6))
+            engine.step()
+        engine.add_request(prompts[3], SP(temperature=0, max_tokens=20, ignore_eos=True), request_id="3")
+        while engine.has_unfinished():
+            engine.step()
+        outputs[policy] = {rid: r.output_token_ids for rid, r in engine.requests.items()}
+    assert mixed_steps == {"mixed": 3, "prefill-first": 0}
+    assert outputs["mixed"] == outputs["prefill-first"]
+    assert sorted(outputs["mixed"]) == ["0", "1", "2", "3"] and all(len(t) == 20 for t in outputs["mixed"].values())

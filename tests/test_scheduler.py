@@ -21,8 +21,9 @@ def ceil_div(a, b):
     return -(-a // b)
 
 
-def make_sched(num_blocks, max_num_seqs=256, max_num_batched_tokens=4096, max_model_len=4096):
-    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+def make_sched(num_blocks, max_num_seqs=256, max_num_batched_tokens=4096, max_model_len=4096, policy="mixed"):
+    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                          schedule_policy=policy)
     return Scheduler(cfg, BlockAllocator(num_blocks), BS, max_model_len)
 
 
@@ -401,12 +402,13 @@ def test_finish_waiting_and_running_requests():
 
 
 # --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("policy", ["mixed", "prefill-first"])
 @pytest.mark.parametrize("seed", range(20))
-def test_random_workload_invariants(seed):
+def test_random_workload_invariants(seed, policy):
     rng = random.Random(seed)
     num_blocks = rng.choice([6, 8, 12])
     cfg = dict(max_num_seqs=rng.choice([2, 4, 8]), max_num_batched_tokens=rng.choice([8, 16, 33, 64]))
-    s = make_sched(num_blocks=num_blocks, max_model_len=512, **cfg)
+    s = make_sched(num_blocks=num_blocks, max_model_len=512, policy=policy, **cfg)
     h = Harness(s)
     n_req = 40
     pending = []
@@ -436,6 +438,11 @@ def test_random_workload_invariants(seed):
         # decodes of already-running requests come before their partial prefills, by arrival
         keys = [(before[i][0] > 1, before[i][1]) for i in ids if i in before]
         assert keys == sorted(keys)
+        if policy == "prefill-first" and not out.preempted:
+            # an unfinished prefill runs without decodes (a newly admitted prompt may join decodes: its
+            # first chunk fit only in the budget the decodes left, so no prefill-only step could start it)
+            decodes = [i for i in ids if i in before and before[i][0] == 1]
+            assert not (decodes and any(before[i][0] > 1 for i in ids if i in before))
         assert len(s.running) <= cfg["max_num_seqs"]
         preempted_total += len(out.preempted)
         for rid in out.preempted:
@@ -476,3 +483,46 @@ def test_many_long_decodes_preempt_and_all_finish():
     for r in h.reqs.values():
         assert r.output_token_ids == [900_000 + 1000 * (_h(r.request_id) % 100) + i for i in range(40)]
     assert s.allocator.num_free == 6
+
+
+# -- schedule_policy="prefill-first" -------------------------------------------------------------
+def test_prefill_first_decodes_wait_while_a_prompt_prefills():
+    h = Harness(make_sched(num_blocks=40, max_num_batched_tokens=8, policy="prefill-first"))
+    d = [h.add(make_req(f"d{i}", 4, 50, arrival=float(i))) for i in range(2)]
+    h.step()  # d0, d1 prefill (4 + 4 tokens)
+    p = h.add(make_req("p", 20, 3, arrival=10.0))
+    assert [summary(h.step()) for _ in range(3)] == [
+        [("p", 0, 8, [2], False)], [("p", 8, 8, [2], False)], [("p", 16, 4, [2, 3], True)]]
+    assert [len(r.output_token_ids) for r in d] == [1, 1]  # the decodes waited three steps
+    # no prefill left: every running request decodes in the same step
+    assert [(c.request_id, len(c.token_ids)) for c in h.step().chunks] == [("d0", 1), ("d1", 1), ("p", 1)]
+
+
+def test_prefill_first_decodes_run_when_the_queue_head_cannot_start():
+    h = Harness(make_sched(num_blocks=4, policy="prefill-first"))
+    a = h.add(make_req("a", 40, 3, arrival=0.0))
+    h.step()  # a holds 3 blocks
+    b = h.add(make_req("b", 32, 1, arrival=1.0))  # needs 2 blocks, 1 is free: it cannot be admitted
+    assert summary(h.step()) == [("a", 40, 1, [0, 1, 2], True)]
+    assert list(h.s.waiting) == [b]
+    h.step()  # a's last decode; it finishes and frees its blocks
+    assert a.finished and summary(h.step()) == [("b", 0, 32, [3, 0], True)]
+
+
+def test_prefill_first_same_tokens_as_mixed():
+    runs = {}
+    for policy in ("mixed", "prefill-first"):
+        h = Harness(make_sched(num_blocks=64, max_num_seqs=3, max_num_batched_tokens=16, policy=policy))
+        for i in range(6):
+            h.add(make_req(f"r{i}", 10 + 7 * i, 5 + i, arrival=float(i)))
+        steps = 0
+        while h.s.has_unfinished():
+            h.step()
+            steps += 1
+        runs[policy] = ({rid: r.output_token_ids for rid, r in h.reqs.items()}, sorted(h.finished), steps)
+    assert runs["mixed"][:2] == runs["prefill-first"][:2]
+
+
+def test_unknown_schedule_policy_is_refused():
+    with pytest.raises(ValueError, match="schedule_policy must be one of mixed, prefill-first"):
+        SchedulerConfig(schedule_policy="fifo")

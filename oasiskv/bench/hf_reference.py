@@ -99,7 +99,8 @@ def run(args) -> dict:
     net, cfg = build_model(args.model, device, dtype, args.seed)
     if device.type == "cuda" and args.gpu_memory_gb:
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_gb * GiB / total), device)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_gb * GiB / total),
+                                                  torch.cuda.current_device())
     batch = args.batch or largest_batch(net, cfg, args, device, dtype)
     prompts = prompt_tensor(batch, args, cfg, device)
     generate(net, prompts, 2)  # warm-up at this batch

@@ -10,6 +10,7 @@ invocation at the concurrency it holds, as `vllm bench throughput` measures it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -71,8 +72,8 @@ def run_single_mode(args: argparse.Namespace, config: EngineConfig) -> list[dict
     from oasiskv.engine.engine import LLMEngine
 
     sched = config.scheduler
-    config = config.replace(scheduler=type(sched)(
-        max_num_seqs=max(sched.max_num_seqs, 1024), max_num_batched_tokens=sched.max_num_batched_tokens,
+    config = config.replace(scheduler=dataclasses.replace(
+        sched, max_num_seqs=max(sched.max_num_seqs, 1024),
         max_model_len=sched.max_model_len or args.input_len + args.output_len + 4096))
     engine = LLMEngine(config)
     fit = 1

@@ -1,5 +1,9 @@
 """Continuous batching with chunked prefill and preemption by recompute. Ints only.
 
+Two policies (SchedulerConfig.schedule_policy): "mixed" runs every decode each step and fills the rest
+of the token budget with prefill chunks; "prefill-first" runs prefill chunks alone while there is
+prefill work that can start, and decodes only when there is none.
+
 Every request is a list of tokens (prompt + outputs so far) of which the first num_computed_tokens
 have K/V in the cache. A step computes the next chunk of each scheduled request; when a chunk reaches
 the end of the known tokens, the step samples one more token. Decode, prefill, chunked prefill and
@@ -70,10 +74,18 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        prefill_only = self.cfg.schedule_policy == "prefill-first" and self._prefill_pending()
+        self._fill(out, prefill_only)
+        if prefill_only and not out.chunks:  # the pending prefill could not run (it preempted itself)
+            self._fill(out, prefill_only=False)
+        return out
+
+    def _fill(self, out: SchedulerOutput, prefill_only: bool) -> None:
         budget = self.cfg.max_num_batched_tokens
-        # Decodes (one token) before partial prefills, so a long prompt never starves running decodes.
+        # Decodes (one token) before partial prefills, so a long prompt never starves running decodes
+        # (with prefill_only, decodes wait instead).
         for req in sorted(self.running, key=lambda r: (r.num_uncomputed > 1, r.arrival_time)):
-            if budget == 0 or req.status != RequestStatus.RUNNING:
+            if budget == 0 or req.status != RequestStatus.RUNNING or (prefill_only and req.num_uncomputed == 1):
                 continue
             n = min(req.num_uncomputed, budget)
             if not self._reserve_blocks(req, n, out):
@@ -82,7 +94,16 @@ class Scheduler:
             budget -= n
         if not out.preempted:
             self._admit_waiting(out, budget)
-        return out
+
+    def _prefill_pending(self) -> bool:
+        """A running request has an unfinished prefill, or the head of the queue can be admitted now."""
+        if any(r.num_uncomputed > 1 for r in self.running):
+            return True
+        if not self.waiting or len(self.running) >= self.cfg.max_num_seqs:
+            return False
+        req = self.waiting[0]
+        n = min(req.num_uncomputed, self.cfg.max_num_batched_tokens)
+        return self.allocator.can_allocate(self.blocks_for(req.num_computed_tokens + n) - len(req.block_ids))
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
