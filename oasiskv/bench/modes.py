@@ -73,7 +73,7 @@ def measure_mode(engine, args, hbm_gbps: float, concurrency: int | None = None, 
     """The workload at `concurrency` (default: the most the mode holds); optionally the step profile."""
     held = max_concurrency(engine, args.input_len, args.output_len)
     concurrency = min(concurrency or held, held)
-    warm_up(engine, args.input_len, args.warmup_steps, args.prompt_seed)
+    warm_up(engine, args.input_len, args.warmup_steps, args.prompt_seed, batch=concurrency)
     prompts = random_prompts(num_prompts or args.num_prompts or concurrency, args.input_len,
                              engine.model_config.vocab_size, args.prompt_seed)
     row = add_roofline(run_workload(engine, prompts, args.output_len, concurrency), hbm_gbps)

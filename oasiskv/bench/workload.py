@@ -53,15 +53,22 @@ def max_concurrency(engine, input_len: int, output_len: int) -> int:
     return fit
 
 
-def warm_up(engine, input_len: int, steps: int, seed: int) -> None:
-    """One request through prefill and a few decode steps, untimed: the kernels compile here."""
+def warm_up(engine, input_len: int, steps: int, seed: int, batch: int = 1) -> None:
+    """`batch` requests through prefill and decode steps together, untimed: the kernels compile here for
+    the batch the run will decode (Triton specialises on its integer arguments). At least two blocks'
+    worth of steps, so that steps in which drafts open blocks run too. The prompts are shorter than
+    the run's, just long enough for sparse modes to select (twice the budget)."""
     if steps < 1:
         return
-    prompt = random_prompts(1, input_len, engine.model_config.vocab_size, seed + 10_000)[0]
-    rid = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True))
-    while not engine.requests[rid].finished:
+    steps = max(steps, 2 * engine.block_size)
+    length = min(input_len, 2 * engine.config.kv.budget + engine.block_size + 1)
+    prompts = random_prompts(batch, length, engine.model_config.vocab_size, seed + 10_000)
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    while not all(engine.requests[rid].finished for rid in ids):
         engine.step()
-    engine.pop_finished(rid)
+    for rid in ids:
+        engine.pop_finished(rid)
 
 
 @dataclass
