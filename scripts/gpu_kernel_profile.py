@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections import defaultdict
 
 import torch
@@ -34,9 +35,10 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--graphs", action="store_true", help="profile CUDA graph replays (default: eager steps)")
     p.add_argument("--warmup-steps", type=int, default=8)
+    p.add_argument("--stride", type=int, default=0, help="prompt i has context + i * stride tokens")
     p.add_argument("--trace-dir", default=None, help="also save each mode's trace there (MODE.json.gz)")
     args = p.parse_args()
-    prompts = prompts_for(args.batch, args.context, stride=0)
+    prompts = prompts_for(args.batch, args.context, stride=args.stride)
     for mode in args.modes.split(","):
         engine = engine_for(args, mode, not args.graphs, "bfloat16", args.context, 64)
         for prompt in prompts:
@@ -47,12 +49,15 @@ def main() -> None:
             engine.step()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
             for _ in range(args.steps):
                 engine.step()
             torch.cuda.synchronize()
+            wall_ms = (time.perf_counter() - start) * 1000 / args.steps
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70)
         total = sum(e.self_device_time_total for e in prof.key_averages()) / 1000 / args.steps
-        print(f"===== {mode}: {total:.1f} ms of kernels per step (batch {args.batch}, context {args.context})")
+        print(f"===== {mode}: {total:.1f} ms of kernels per step, {wall_ms:.2f} ms wall per step (batch {args.batch}, "
+              f"context {args.context}, prompt stride {args.stride})")
         print(table, flush=True)
         print_streams(prof, args.steps, args.trace_dir and os.path.join(args.trace_dir, f"{mode}.json.gz"))
         del engine
