@@ -17,6 +17,7 @@
 #   profile-a   per-phase breakdown of a decode step: dense, quest (PROFILE_BATCH)  ~2 min
 #   profile-b   the same for retrieval and oasis                                    ~5 min
 # Parts that join an earlier one (--compare-to) read its JSON from OUTDIR: run them after it.
+# Every part schedules with SCHEDULE (default prefill-first; SCHEDULE=mixed for the engine's default).
 # Outputs: OUTDIR/<part>.json, OUTDIR/<part>.png, OUTDIR/<part>.log. Override the variables below to
 # try it on a smaller model (e.g. MODEL=qwen3-0.6b CTX=4096 OUTLEN=64).
 set -u -o pipefail
@@ -29,13 +30,14 @@ export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 MODEL=${MODEL:-qwen3-8b}; CTX=${CTX:-16384}; OUTLEN=${OUTLEN:-512}; SHORT=${SHORT:-64}
 CARD_GB=${CARD_GB:-72}; HOST_GB=${HOST_GB:-64}; CAP_BATCH=${CAP_BATCH:-16}; PROFILE_BATCH=${PROFILE_BATCH:-16}
-LEVELS=${LEVELS:-1,8,16,32,64}; EXTRA=${EXTRA:-}
+LEVELS=${LEVELS:-1,8,16,32,64}; EXTRA=${EXTRA:-}; SCHEDULE=${SCHEDULE:-prefill-first}
 mkdir -p "$OUT"
 
 quiet() { grep --line-buffered -v "it/s\]\|tok/s\]"; }  # progress bars would flood the call's output tail
 bench() {
   $PY -m oasiskv.cli bench throughput --model "$MODEL" --load-format dummy --input-len "$CTX" \
-    --max-num-batched-tokens "$CTX" --gpu-memory-gb "$CARD_GB" --host-kv-gb "$HOST_GB" $EXTRA "$@" 2>&1 | quiet
+    --max-num-batched-tokens "$CTX" --schedule-policy "$SCHEDULE" --gpu-memory-gb "$CARD_GB" --host-kv-gb "$HOST_GB" \
+    $EXTRA "$@" 2>&1 | quiet
 }
 part() {
   local name=$1 j="$OUT/$1.json" p="$OUT/$1.png"
