@@ -10,7 +10,8 @@ def force_gpu_kernel_paths() -> None:
     import oasiskv.policies.oasis as op
     import oasiskv.policies.sparse as sp
     import oasiskv.policies.tiered as tp
-    from oasiskv.kernels import block_select, block_topk, host_gather, residency, rotary, sparse_decode, tail_append
+    from oasiskv.kernels import (block_select, block_topk, draft_kv, host_gather, residency, rotary, sparse_decode,
+                                 tail_append)
     from oasiskv.kv import summaries, working_set
 
     llama.apply_rotary_qk_reference = rotary.apply_rotary_qk  # bit for bit the torch ops, so tokens stay equal
@@ -21,6 +22,7 @@ def force_gpu_kernel_paths() -> None:
     op.block_scores_multi_reference = block_select.block_scores_multi
     op.predict_prefetch_reference = block_topk.predict_prefetch
     op.resident_selection_reference = residency.resident_selection
+    op.write_draft_kv_reference = draft_kv.write_draft_kv
     tp.append_to_tails_reference = tail_append.append_to_tails
     tp.gather_host_blocks_reference = lambda host, pool, *copies: host_gather.gather_host_blocks(
         host, pool, *copies, programs=op.OasisPolicy.PREFETCH_PROGRAMS)

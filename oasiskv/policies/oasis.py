@@ -24,6 +24,7 @@ import torch
 
 from oasiskv.kernels.block_select import block_scores_multi, block_scores_multi_reference
 from oasiskv.kernels.block_topk import predict_prefetch, predict_prefetch_reference
+from oasiskv.kernels.draft_kv import write_draft_kv, write_draft_kv_reference
 from oasiskv.kernels.residency import COUNTERS as RESIDENCY_COUNTERS
 from oasiskv.kernels.residency import resident_selection, resident_selection_reference
 from oasiskv.kernels.paged_decode import paged_decode_attention, paged_decode_reference
@@ -250,17 +251,13 @@ class OasisPolicy(TieredPolicy):
                          draft_offset=pos % self.block_size)
 
     def write_draft_kv(self, layer, tail_slots, attended, k, v) -> torch.Tensor:
-        """Puts the draft token's K/V where x_{t+1}'s will go: the tail block, or a block it opens
-        (placed now, resident for the next step). Returns the opened block id per row, or -1."""
-        rows = self.rows_now
-        slot = tail_slots
-        if self.any_opens:
-            protect = self.mask_of(torch.cat([attended, rows.opened[:, None]], 1))
-            _, slots = self.ws.place(layer, self.rows, rows.opened[:, None], protect, self.step_tensor)
-            slot = torch.where(rows.opens, slots[:, 0].long(), tail_slots)
-        gpu_kv = self.pool.layer(layer)
-        gpu_kv[slot, 0, rows.draft_offset] = k
-        gpu_kv[slot, 1, rows.draft_offset] = v
+        """Puts the draft token's K/V where x_{t+1}'s will go: the tail block, or a block it opens (given
+        a slot now, never one of x_t's attended blocks, and resident for the next step). One launch on
+        the GPU. Returns the opened block id per row, or -1."""
+        rows, ws = self.rows_now, self.ws
+        write = write_draft_kv if self.cuda else write_draft_kv_reference
+        write(self.pool.layer(layer), ws._slot_of, ws._block_of, ws._last_used, layer, self.rows, tail_slots,
+              rows.opened, rows.draft_offset, attended, k, v, self.step_tensor)
         return rows.opened
 
     def predict_and_prefetch(self, rows: DraftRows) -> None:

@@ -143,7 +143,7 @@ class TieredPolicy(SparsePolicy):
         """Appends each decode token's K/V to its tail block (made resident first: after a prefill the
         tail's earlier tokens are on the host) and refreshes that block's summary. `draft`: (k, v) of
         tokens one position later in the same blocks, written too (only when tails are resident).
-        Returns each tail's slot, long [B]."""
+        Returns each tail's slot, int32 [B]."""
         rows = self.rows_now
         tail, fill, tail_host = rows.tail, rows.fill, rows.tail_block
         gpu_kv = self.pool.layer(layer)
@@ -151,17 +151,17 @@ class TieredPolicy(SparsePolicy):
             append = append_to_tails if self.cuda else append_to_tails_reference
             tail_slots = append(gpu_kv, self.ws._slot_of, layer, self.rows, tail, fill, k, v, *(draft or (None, None)))
             self.summaries.update_from(layer, gpu_kv, tail_slots, rows.fill32, tail_host)
-            return tail_slots.long()
+            return tail_slots
         if draft is not None:
             raise ValueError("draft K/V are written with the tail only when the tails are resident")
         wanted = tail[:, None].to(torch.int32)
         with self.timer("gather"):
             miss, slots = self.fetch(layer, wanted, self.mask_of(wanted), only=(fill > 1)[:, None])
         self.count("tail_fetches", miss & (fill > 1)[:, None])
-        tail_slots = slots.squeeze(1).long()
-        gpu_kv[tail_slots, 0, fill - 1] = k
-        gpu_kv[tail_slots, 1, fill - 1] = v
-        self.summaries.update_from(layer, gpu_kv, tail_slots.to(torch.int32), rows.fill32, tail_host)
+        tail_slots = slots.squeeze(1)
+        gpu_kv[tail_slots.long(), 0, fill - 1] = k
+        gpu_kv[tail_slots.long(), 1, fill - 1] = v
+        self.summaries.update_from(layer, gpu_kv, tail_slots, rows.fill32, tail_host)
         return tail_slots
 
     def mask_of(self, blocks: torch.Tensor, width: int | None = None) -> torch.Tensor:
@@ -215,7 +215,7 @@ class TieredPolicy(SparsePolicy):
         GPU the copy runs on the copy stream, which later fetches of the same block follow in order.
         `dst`: int32 [B], the host blocks to write (-1: none); default each full tail's own."""
         rows = self.rows_now
-        src = torch.where(rows.full, tail_slots, -1).to(torch.int32)
+        src = tail_slots  # int32 [B]; the copy skips the rows whose dst is -1 (tails not full)
         dst, layers = rows.spill_dst if dst is None else dst, rows.layer_rows[layer]
         if not self.cuda:
             keep = rows.full

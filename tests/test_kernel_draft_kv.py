@@ -1,0 +1,125 @@
+"""The draft token's K/V placement (kernels/draft_kv.py): Triton kernel (TRITON_INTERPRET=1 on the CPU) and
+torch twin against a plain Python loop over the rows."""
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from oasiskv.kernels.draft_kv import write_draft_kv, write_draft_kv_reference  # noqa: E402
+
+from tests.kernel_device import DEV  # noqa: E402
+
+LAYERS, ROWS, BS, HKV, D = 2, 5, 4, 2, 8
+
+
+def make_case(b, width, max_blocks, k, dtype, seed):
+    """Working-set tables as the engine keeps them: each row's slots hold distinct blocks (some empty),
+    slot_of and block_of agree, last_used has ties; attended lists some held blocks (and -1s); opened is
+    -1, a block without a slot or (rarely) one already resident."""
+    gen = torch.Generator().manual_seed(seed)
+    slot_of = torch.full((LAYERS, ROWS, max_blocks + 1), -1, dtype=torch.int32)
+    block_of = torch.full((LAYERS, ROWS, width + 1), -1, dtype=torch.int32)
+    last_used = torch.zeros((LAYERS, ROWS, width + 1), dtype=torch.int64)
+    for layer in range(LAYERS):
+        for r in range(ROWS):
+            blocks = torch.randperm(max_blocks, generator=gen)[:width]
+            for j in range(width):
+                if torch.rand((), generator=gen) < 0.85:
+                    block_of[layer, r, j] = blocks[j]
+                    slot_of[layer, r, blocks[j]] = r * width + j
+                    last_used[layer, r, j] = torch.randint(0, 4, (), generator=gen)
+    rows = torch.randperm(ROWS, generator=gen)[:b]
+    layer = 1
+    attended = torch.full((b, k), -1, dtype=torch.int32)
+    opened = torch.full((b,), -1, dtype=torch.int32)
+    for i, r in enumerate(rows.tolist()):
+        held = [x for x in block_of[layer, r, :width].tolist() if x >= 0]
+        take = torch.randperm(len(held), generator=gen)[:min(k, width - 1, len(held))].tolist()
+        for c, t in enumerate(take):
+            if torch.rand((), generator=gen) < 0.8:
+                attended[i, c] = held[t]
+        kind = torch.randint(0, 6, (), generator=gen).item()
+        free = [x for x in range(max_blocks) if x not in held]
+        if kind >= 2 and free:
+            opened[i] = free[torch.randint(0, len(free), (), generator=gen).item()]
+        elif kind == 1 and held:
+            opened[i] = held[0]
+    tail_slots = torch.randint(0, ROWS * width, (b,), generator=gen)
+    offset = torch.where(opened >= 0, 0, torch.randint(1, BS, (b,), generator=gen))
+    kv = torch.randn(ROWS * width, 2, BS, HKV, D, generator=gen).to(dtype)
+    k_new, v_new = (torch.randn(b, HKV, D, generator=gen).to(dtype) for _ in range(2))
+    return kv, slot_of, block_of, last_used, layer, rows, tail_slots, opened, offset, attended, k_new, v_new
+
+
+def python_loop(kv, slot_of, block_of, last_used, layer, rows, tail_slots, opened, offset, attended, k, v, step):
+    kv, slot_of, block_of, last_used = kv.clone(), slot_of.clone(), block_of.clone(), last_used.clone()
+    width = block_of.shape[2] - 1
+    for i, r in enumerate(rows.tolist()):
+        slot = int(tail_slots[i])
+        o = int(opened[i])
+        if o >= 0:
+            if slot_of[layer, r, o] >= 0:
+                slot = int(slot_of[layer, r, o])
+            else:
+                protected = set(attended[i].tolist()) - {-1}
+                candidates = []
+                for j in range(width):
+                    held = int(block_of[layer, r, j])
+                    if held >= 0 and held in protected:
+                        continue
+                    candidates.append((-1 if held < 0 else int(last_used[layer, r, j]), j))
+                _, j = min(candidates)
+                old = int(block_of[layer, r, j])
+                if old >= 0:
+                    slot_of[layer, r, old] = -1
+                block_of[layer, r, j] = o
+                slot = r * width + j
+                slot_of[layer, r, o] = slot
+            last_used[layer, r, slot - r * width] = step
+        kv[slot, 0, int(offset[i])] = k[i]
+        kv[slot, 1, int(offset[i])] = v[i]
+    return kv, slot_of, block_of, last_used
+
+
+@pytest.mark.parametrize("b, width, k", [(1, 3, 2), (3, 5, 4), (5, 9, 8), (4, 17, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kernel_and_twin_match_a_python_loop(b, width, k, dtype, seed):
+    case = make_case(b, width, max_blocks=3 * width, k=k, dtype=dtype, seed=seed + 10 * b)
+    kv, slot_of, block_of, last_used, layer, rows, tail_slots, opened, offset, attended, k_new, v_new = case
+    step = 7
+    expect = python_loop(*case, step)
+    assert (opened >= 0).any()
+    for impl in (write_draft_kv, write_draft_kv_reference):
+        tables = [t.clone().to(DEV) for t in (kv, slot_of, block_of, last_used)]
+        impl(*tables, layer, *(t.to(DEV) for t in (rows, tail_slots, opened, offset, attended, k_new, v_new)),
+             torch.tensor(step, device=DEV))
+        for got, want in zip(tables, expect):
+            assert torch.equal(got.cpu(), want), impl.__name__
+
+
+def test_compiles_for_the_h200():
+    # the interpreter cannot tell whether the kernel lowers for the GPU: compile for sm_90 (no GPU needed) in a
+    # process without the interpreter, at the headline width (129 slots) and selection (128 blocks)
+    code = ("from oasiskv.kernels.draft_kv import compile_for\n"
+            "assert compile_for(90, 129, 128).asm['cubin']\n")
+    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_bad_inputs_raise():
+    case = list(make_case(2, 5, 15, 4, torch.float32, 0))
+    step = torch.tensor(1)
+    with pytest.raises(ValueError, match="attended must be int32"):
+        write_draft_kv(*case[:9], case[9].long(), *case[10:], step)
+    with pytest.raises(ValueError, match="step must be a 0-d int64 tensor"):
+        write_draft_kv(*case, 1)
+    with pytest.raises(ValueError, match="k must be"):
+        write_draft_kv(*case[:10], case[10][:, :1], case[11], step)
+    with pytest.raises(ValueError, match="layer 5 out of range"):
+        write_draft_kv(*case[:4], 5, *case[5:], step)
