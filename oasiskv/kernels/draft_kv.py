@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from oasiskv.kernels.ws_place import check_tables
+
 __all__ = ["write_draft_kv", "write_draft_kv_reference"]
 
 
@@ -125,14 +127,7 @@ def _check(kv_layer, slot_of, block_of, last_used, layer, rows, tail_slots, open
     if kv_layer.dim() != 5 or kv_layer.shape[1] != 2 or not kv_layer[0].is_contiguous():
         raise ValueError(f"kv_layer must be [slots, 2, block_size, Hkv, D], contiguous within a slot, "
                          f"got {tuple(kv_layer.shape)}")
-    for name, t, dtype in (("slot_of", slot_of, torch.int32), ("block_of", block_of, torch.int32),
-                           ("last_used", last_used, torch.int64)):
-        if t.dim() != 3 or t.dtype != dtype or t.stride(2) != 1:
-            raise ValueError(f"{name} must be {dtype} [layers, rows, columns] with unit last stride, "
-                             f"got {t.dtype} {tuple(t.shape)}")
-    if last_used.shape != block_of.shape or slot_of.shape[:2] != block_of.shape[:2]:
-        raise ValueError(f"tables disagree: slot_of {tuple(slot_of.shape)}, block_of {tuple(block_of.shape)}, "
-                         f"last_used {tuple(last_used.shape)}")
+    check_tables(slot_of, block_of, last_used)
     if not 0 <= layer < slot_of.shape[0]:
         raise ValueError(f"layer {layer} out of range [0, {slot_of.shape[0]})")
     b = len(rows)

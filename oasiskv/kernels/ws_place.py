@@ -110,7 +110,7 @@ def place_fused(slot_of: torch.Tensor, block_of: torch.Tensor, last_used: torch.
                 host_tables: torch.Tensor | None = None, only: torch.Tensor | None = None):
     """One placement (see the module docstring), in place on the three tables. Returns (miss, slots),
     and with `host_tables` (miss, slots, src, dst)."""
-    _check_tables(slot_of, block_of, last_used)
+    check_tables(slot_of, block_of, last_used)
     _check_request(slot_of, layer, rows, wanted, protect, step)
     r, k = wanted.shape
     dev = wanted.device
@@ -180,7 +180,8 @@ def compile_for(arch: int, width: int, k: int, copies: bool = True):
                           options={"num_warps": warps})
 
 
-def _check_tables(slot_of, block_of, last_used) -> None:
+def check_tables(slot_of, block_of, last_used) -> None:
+    """The working-set tables' dtypes, shapes, strides and device (kernels/draft_kv.py uses them too)."""
     for name, t, dtype in (("slot_of", slot_of, torch.int32), ("block_of", block_of, torch.int32),
                            ("last_used", last_used, torch.int64)):
         if t.dim() != 3 or t.dtype != dtype or t.stride(2) != 1:
