@@ -70,11 +70,17 @@ def _block_scores_kernel(
     NQ_POW2: tl.constexpr,
     HKV: tl.constexpr,
     GROUP: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    DOT_FP32: tl.constexpr,
 ):
-    # Grid (batch, block tile). Each program reads the summaries of BLOCK_N blocks for every
-    # KV head once and scores them against the group's query heads of all NQ queries.
+    # Grid (batch, block tile). Each program reads the summaries of BLOCK_N blocks for every KV head
+    # once and scores them for all NQ queries. Per KV head g and query, the group's query heads are the
+    # rows of one tile (row r: head g * GROUP + r, always at the same rows, so a query's scores do not
+    # depend on NQ), and
+    #   score_h = sum_d max(q_hd * mn_d, q_hd * mx_d) = q_h+ . mx + q_h- . mn     (mn <= mx)
+    # is two dot products on the tensor cores; the group's best head is a max over the rows.
     b = tl.program_id(0)
     tile = tl.program_id(1)
     j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -88,19 +94,30 @@ def _block_scores_kernel(
     d_mask = d < D
     tile_mask = read[:, None] & d_mask[None, :]
     row = summaries_ptr + phys[:, None] * s_sum_blk + d[None, :] * s_sum_d
-    q_row = q_ptr + b.to(tl.int64) * s_q_b + d * s_q_d
+    r = tl.arange(0, ROWS)
+    r_ok = r < GROUP
+    q_row = q_ptr + b.to(tl.int64) * s_q_b + r[:, None] * s_q_h + d[None, :] * s_q_d
+    q_mask = r_ok[:, None] & d_mask[None, :]
 
     total = tl.zeros([NQ_POW2, BLOCK_N], dtype=tl.float32)
     for g in range(0, HKV):
-        k_min = tl.load(row + g * s_sum_head, mask=tile_mask, other=0.0).to(tl.float32)
-        k_max = tl.load(row + g * s_sum_head + s_sum_kind, mask=tile_mask, other=0.0).to(tl.float32)
+        k_min = tl.load(row + g * s_sum_head, mask=tile_mask, other=0.0)
+        k_max = tl.load(row + g * s_sum_head + s_sum_kind, mask=tile_mask, other=0.0)
+        if DOT_FP32:
+            k_min, k_max = k_min.to(tl.float32), k_max.to(tl.float32)
         for qi in tl.static_range(NQ):
-            best = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
-            for i in tl.static_range(GROUP):
-                qh = tl.load(q_row + qi * s_q_n + (g * GROUP + i) * s_q_h, mask=d_mask, other=0.0).to(tl.float32)
-                qh = qh[None, :]
-                s = tl.sum(tl.maximum(qh * k_min, qh * k_max), axis=1)
-                best = tl.maximum(best, s)
+            qh = tl.load(q_row + qi * s_q_n + (g * GROUP) * s_q_h, mask=q_mask, other=0.0)
+            if DOT_FP32:
+                qh = qh.to(tl.float32)
+            zero = tl.zeros_like(qh)
+            q_pos, q_neg = tl.where(qh > zero, qh, zero), tl.where(qh < zero, qh, zero)  # exact, in q's dtype
+            if DOT_FP32:
+                s = tl.dot(q_pos, tl.trans(k_max), input_precision="ieee")
+                s = tl.dot(q_neg, tl.trans(k_min), s, input_precision="ieee")
+            else:
+                s = tl.dot(q_pos, tl.trans(k_max))
+                s = tl.dot(q_neg, tl.trans(k_min), s)
+            best = tl.max(tl.where(r_ok[:, None], s, float("-inf")), axis=0)
             total = tl.where(n[:, None] == qi, total + best[None, :], total)
 
     total = tl.where(valid, total, float("-inf"))
@@ -189,7 +206,7 @@ def block_scores_reference(
     """Torch twin of :func:`block_scores` (same arguments and result).
 
     Uses ``max(q*mn, q*mx) = relu(q)*mx + min(q, 0)*mn`` so that each KV head is two matmuls;
-    that identity needs ``mn <= mx``, which real summaries satisfy (the kernel uses the max form).
+    that identity needs ``mn <= mx``, which real summaries satisfy (the kernel uses it too, as two dot products).
     """
     _check_args(q, summaries, block_tables, num_blocks_per_seq)
     _check_values(summaries, block_tables, num_blocks_per_seq[None], "num_blocks_per_seq")
@@ -304,6 +321,7 @@ def _launch_scores(q, summaries, block_tables, num_blocks, block_n: int = _BLOCK
         return scores
     grid = (bsz, triton.cdiv(max_blocks, block_n))
     stages = {} if num_stages is None else {"num_stages": num_stages}
+    group = hq // hkv
     _block_scores_kernel[grid](
         q,
         summaries,
@@ -320,9 +338,11 @@ def _launch_scores(q, summaries, block_tables, num_blocks, block_n: int = _BLOCK
         NQ=nq,
         NQ_POW2=triton.next_power_of_2(nq),
         HKV=hkv,
-        GROUP=hq // hkv,
+        GROUP=group,
+        ROWS=max(16, triton.next_power_of_2(group)),  # a dot product's rows: at least 16
         BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
+        DOT_FP32=q.dtype == torch.float32 or q.dtype != summaries.dtype,
         num_warps=num_warps,
         **stages,
     )
