@@ -72,8 +72,7 @@ class KVExporter:
 
     def export(self, request_id: str, block_ids: list[int], num_tokens: int, first_token: int) -> None:
         index = torch.tensor(block_ids, dtype=torch.long, device=self.summaries.device)
-        self.engine.policy.wait_for_copies()  # the prefill's host-store writes, queued on the copy stream
-        self.mirror[:, index.cpu()] = self.summaries[:, index].cpu()  # .cpu() waits for the compute stream
+        self.mirror[:, index.cpu()] = self.summaries[:, index].cpu()
         kv, mirror = self.host.kv, self.mirror
         params = {"remote_agent": self.agent.name, "remote_metadata": self.metadata,
                   "remote_request_id": request_id, "remote_block_ids": block_ids, "num_tokens": num_tokens,

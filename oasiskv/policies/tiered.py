@@ -51,7 +51,6 @@ class TieredPolicy(SparsePolicy):
         self.counter_ids: dict[tuple[int, ...], torch.Tensor] = {}  # made once: no host copy in a capture
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.capture_refs: list[torch.Tensor] = []  # read by the copy stream in a capture: kept till its end
-        self.host_writes_pending = False  # prefill writes to the host store queued on the copy stream
         self.layer_range = torch.arange(pool.kv.shape[0], dtype=torch.int32, device=device)
 
     # -- counters (on the device; read only by stats and at release) ------------------------------
@@ -106,9 +105,6 @@ class TieredPolicy(SparsePolicy):
     # -- the step -----------------------------------------------------------------------------------
     def begin_step(self, meta) -> None:
         super().begin_step(meta)
-        if self.host_writes_pending:  # the last step's prefill writes precede this step's host reads
-            self.wait_for_copies()
-            self.host_writes_pending = False
         ids = meta.decode_request_ids
         self.rows = torch.tensor([self.ws.row(r) for r in ids], dtype=torch.long).to(self.pool.kv.device)
         # host tables one column wider: room for the block a draft token opens (scored, never fetched)
@@ -130,33 +126,18 @@ class TieredPolicy(SparsePolicy):
         """Prefill writes the host store (and summaries) and attends densely; nothing stays resident."""
         meta, nd = self.meta, self.meta.num_decode
         blocks, offsets = meta.slot_blocks[nd:], meta.slot_offsets[nd:]
-        self.write_host_tokens(layer, blocks, offsets, k[nd:], v[nd:])
+        self.host.write_tokens(layer, blocks, offsets, k[nd:], v[nd:])
         self.summaries.merge_prefill(layer, blocks, offsets, k[nd:])
         for span in meta.prefills:
             s, e = span.token_start, span.token_end
             if span.start_pos == 0:
                 out[s:e] = sdpa(q[s:e], k[s:e], v[s:e], self.scale, causal=True)
                 continue
-            self.wait_for_copies()  # the prefix's earlier chunks were written on the copy stream
             ctx = span.start_pos + (e - s)
             pk, pv = self.host.read_prefix(layer, span.block_ids, ctx, q.device)
             mask = torch.arange(ctx, device=q.device)[None, :] <= (span.start_pos +
                                                                   torch.arange(e - s, device=q.device))[:, None]
             out[s:e] = sdpa(q[s:e], pk, pv, self.scale, mask=mask)
-
-    def write_host_tokens(self, layer, blocks, offsets, k, v) -> None:
-        """The prefill's K/V to the host store. On the GPU on the copy stream: the writes cross PCIe
-        beside the next layers' compute, not before it. Readers of the store on the compute stream
-        wait first: a later chunk's prefix read (prefill), the next step (begin_step), a replay
-        (before_replay), a release; the copy stream's own prefetches follow them in order."""
-        if not self.cuda:
-            self.host.write_tokens(layer, blocks, offsets, k, v)
-            return
-        self.copy_stream.wait_stream(torch.cuda.current_stream())  # k and v are computed
-        with torch.cuda.stream(self.copy_stream):
-            self.host.write_tokens(layer, blocks, offsets, k, v)
-        self.keep_alive((blocks, offsets, k, v), self.copy_stream)
-        self.host_writes_pending = True
 
     def write_tail(self, layer, k, v, draft=None):
         """Appends each decode token's K/V to its tail block (made resident first: after a prefill the
