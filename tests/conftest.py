@@ -16,6 +16,12 @@ _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // _workers)))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked slow run first: `make test`'s workers then share the short ones at the end, instead
+    of one worker starting a several-minute test while the other runs out of work."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="session", autouse=True)
 def gguf_dequantized_once():
     """Most test files build engines of the embedded model: its GGUF is dequantized once per session

@@ -29,6 +29,7 @@ def hf_greedy(hf, prompt_ids: list[int], n: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
+@pytest.mark.slow
 def test_cli_generate_equals_transformers_greedy(smollm_hf, smollm_hf_tokenizer):
     prompt = "The capital of France is Paris. The capital of Germany is"
     proc = subprocess.run(
@@ -109,6 +110,7 @@ def test_cli_reports_missing_model_clearly():
     assert "not found" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_dummy_model_is_reproducible():
     cmd = [sys.executable, "-m", "oasiskv.cli", "generate", "--model", "qwen3-0.6b", "--load-format", "dummy",
            "--seed", "0", "--prompt", "hello", "--max-tokens", "4", "--temperature", "0", "--json",

@@ -57,6 +57,7 @@ def generate(tiny: str, lengths: str, forced: bool) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lengths", ["300", "300,90,200"], ids=["one_request", "three_requests"])
 def test_every_gpu_kernel_in_the_engine_gives_the_torch_tokens_and_counters(tmp_path, lengths):
     tiny = write_tiny_config(tmp_path / "tiny")

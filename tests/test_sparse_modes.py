@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from oasiskv.api import LLM, SamplingParams
@@ -25,6 +26,7 @@ def generate(mode: str, budget: int, **kw) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs], llm.engine
 
 
+@pytest.mark.slow
 def test_budget_above_context_equals_dense_even_across_preemption():
     tight = dict(num_kv_blocks=14, max_num_batched_tokens=32)  # forces chunked prefill and preemption
     dense, _ = generate("dense", 2048, kv_cache_gb=0.2)
@@ -34,6 +36,7 @@ def test_budget_above_context_equals_dense_even_across_preemption():
         assert tokens == dense, mode
 
 
+@pytest.mark.slow
 def test_small_budget_is_really_sparse_and_quest_equals_retrieval():
     quest, q_engine = generate("quest", 48, kv_cache_gb=0.2, max_num_batched_tokens=64)
     retrieval, r_engine = generate("retrieval", 48, kv_cache_gb=0.2, max_num_batched_tokens=64)
@@ -77,6 +80,7 @@ def check_blocks(quest: LLMEngine, retrieval: LLMEngine) -> int:
     return compared
 
 
+@pytest.mark.slow
 def test_retrieval_matches_quest_for_500_steps_with_spills_and_no_stale_block():
     quest, retrieval = make_engine("quest"), make_engine("retrieval")
     params = SP(temperature=0, max_tokens=520, ignore_eos=True)
