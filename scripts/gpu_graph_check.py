@@ -182,8 +182,9 @@ def main() -> None:
                    "per block), one timing run each")
     p.add_argument("--working-sets", default="0", help="retrieval/oasis: --working-set values in tokens (0: the "
                    "budget), one timing run each")
-    p.add_argument("--time-strides", default="0", help="prompt i has time-context + i * stride tokens; 0: every "
-                   "draft opens a block in the same step, 1: one request's draft opens a block in most steps")
+    p.add_argument("--time-strides", default="0", help="prompt i has time-context + i * stride tokens. One prompt is "
+                   "prefilled per step while the others decode, so 0 staggers the decode positions (some draft "
+                   "opens a block in every step) and 1 aligns them (all drafts open together, once in 16 steps)")
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--check-modes", default="dense,quest,retrieval,oasis")
     p.add_argument("--json", default=None)

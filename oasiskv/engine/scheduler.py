@@ -50,6 +50,10 @@ class Scheduler:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def new_blocks(self, req: Request, n: int) -> int:
+        """Blocks req must be given before computing its next n tokens."""
+        return self.blocks_for(req.num_computed_tokens + n) - len(req.block_ids)
+
     def check_admissible(self, req: Request) -> None:
         """Raises ValueError for a request that could never run: the caller rejects it alone."""
         n = len(req.prompt_token_ids)
@@ -103,13 +107,13 @@ class Scheduler:
             return False
         req = self.waiting[0]
         n = min(req.num_uncomputed, self.cfg.max_num_batched_tokens)
-        return self.allocator.can_allocate(self.blocks_for(req.num_computed_tokens + n) - len(req.block_ids))
+        return self.allocator.can_allocate(self.new_blocks(req, n))
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
             n = min(req.num_uncomputed, budget)
-            need = self.blocks_for(req.num_computed_tokens + n) - len(req.block_ids)
+            need = self.new_blocks(req, n)
             if not self.allocator.can_allocate(need):
                 return
             self.waiting.popleft()
@@ -122,7 +126,7 @@ class Scheduler:
     def _reserve_blocks(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Allocates the blocks req needs for n more tokens, preempting the latest arrivals if the
         pool is short. Returns False if req itself had to be preempted."""
-        need = self.blocks_for(req.num_computed_tokens + n) - len(req.block_ids)
+        need = self.new_blocks(req, n)
         scheduled = {c.request_id for c in out.chunks}
         while not self.allocator.can_allocate(need):
             candidates = [r for r in self.running if r.request_id not in scheduled]

@@ -152,7 +152,7 @@ def _check(kv_layer, slot_of, block_of, last_used, layer, rows, tail_slots, open
 
 
 _POINTERS = {"kv_ptr": "*fp16", "slot_of_ptr": "*i32", "block_of_ptr": "*i32", "used_ptr": "*i64", "rows_ptr": "*i64",
-             "tail_ptr": "*i64", "opened_ptr": "*i32", "offset_ptr": "*i64", "att_ptr": "*i32", "k_ptr": "*fp16",
+             "tail_ptr": "*i32", "opened_ptr": "*i32", "offset_ptr": "*i64", "att_ptr": "*i32", "k_ptr": "*fp16",
              "v_ptr": "*fp16", "step_ptr": "*i64"}
 
 
