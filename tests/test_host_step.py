@@ -48,16 +48,18 @@ def brute_force_lookup(context: list[int], max_n: int, min_n: int) -> int:
 
 
 @pytest.mark.parametrize("max_n,min_n", [(3, 1), (4, 2), (1, 1)])
-def test_ngram_lookup_matches_a_brute_force_search_as_the_context_grows(max_n, min_n):
+@pytest.mark.parametrize("prompt_len, base", [(40, 0), (300, 151_000)])  # the second: numpy's keys, large ids
+def test_ngram_lookup_matches_a_brute_force_search_as_the_context_grows(max_n, min_n, prompt_len, base):
     rng = random.Random(max_n * 10 + min_n)
     draft = NgramDraft(max_n=max_n, min_n=min_n)
-    prompt = [rng.randrange(6) for _ in range(40)]
+    prompt = [base + rng.randrange(6) for _ in range(prompt_len)]
     output: list[int] = []
     for step in range(60):
         context = TokenView(prompt, output)
         assert draft.lookup("r", context) == brute_force_lookup(prompt + output, max_n, min_n), step
-        # mostly one new token per step, sometimes several (a prefill chunk's worth)
-        output += [rng.randrange(6) for _ in range(1 if step % 7 else 3)]
+        # mostly one new token per step, sometimes several (a prefill chunk's worth), once a long chunk
+        new = 1 if step % 7 else (100 if step == 14 else 3)
+        output += [base + rng.randrange(6) for _ in range(new)]
     draft.release("r")
     assert draft.lookup("r", [1, 2, 1]) == brute_force_lookup([1, 2, 1], max_n, min_n)
 
