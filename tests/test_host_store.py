@@ -28,3 +28,32 @@ def test_prefill_writes_then_prefix_reads(device, dtype):
         assert pk.device.type == device
         assert torch.equal(pk.cpu(), k[:n]) and torch.equal(pv.cpu(), v[:n])
     assert not store.kv[0].any()  # the other layer is untouched
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("start, tokens", [(0, 16), (0, 13), (3, 20), (5, 2), (8, 4), (6, 30)])
+@pytest.mark.parametrize("staged_in_buffer", [False, True])
+def test_span_writes_equal_token_writes(device, start, tokens, staged_in_buffer):
+    """Whole blocks by copies (in runs of consecutive ids), partial ones token by token: the store ends up
+    as with every token written on its own (the reference)."""
+    bs, table = 4, [7, 2, 3, 4, 9, 0, 1, 5, 6, 8]  # runs 2-4, 0-1, 5-6 and single blocks
+    stream = torch.cuda.Stream() if device == "cuda" else None
+    gen = torch.Generator().manual_seed(start * 100 + tokens)
+    k, v = (torch.randn(tokens, 2, 8, generator=gen).to(torch.bfloat16) for _ in range(2))
+    pos = torch.arange(start, start + tokens)
+    blocks, offsets = torch.tensor(table)[pos // bs], pos % bs
+    expected = HostStore(CFG, len(table), bs, torch.bfloat16, pin=False)
+    expected.write_tokens(1, blocks, offsets, k, v)
+    store = HostStore(CFG, len(table), bs, torch.bfloat16, pin=device == "cuda")
+    buffer = torch.full((12, 2, bs, 2, 8), 7.0, dtype=torch.bfloat16, device=device) if staged_in_buffer else None
+    staged = store.write_span(1, start, table, k.to(device), v.to(device), stream, buffer)
+    assert staged == max(0, (start + tokens) // bs - -(-start // bs))  # whole blocks
+    if stream is not None:
+        torch.cuda.synchronize()
+    assert torch.equal(store.kv, expected.kv)
+
+
+def test_consecutive_runs():
+    from oasiskv.kv.host_store import consecutive_runs
+    assert consecutive_runs([4, 5, 6, 1, 2, 9]) == [(0, 3, 4), (3, 5, 1), (5, 6, 9)]
+    assert consecutive_runs([3]) == [(0, 1, 3)] and consecutive_runs([]) == []

@@ -112,7 +112,7 @@ def test_oracle_selection_is_not_quests():
     somewhere, or the oracle would be quest under another name."""
     pool, summaries, tables, q, _, _ = make_case(seed=2, with_new_token=True)
     blocks, offsets = token_slots(tables)
-    summaries.merge_prefill(0, blocks, offsets, pool.kv[0, blocks, 0, offsets])
+    summaries.merge_tokens(0, blocks, offsets, pool.kv[0, blocks, 0, offsets])
     nblocks = torch.tensor([-(-n // BS) for n in SEQ_LENS], dtype=torch.int32)
     oracle = OraclePolicy(pool, KV, summaries, BS, SCALE, torch.device("cpu"), timing=False)
     oracle.begin_step(decode_meta(tables))

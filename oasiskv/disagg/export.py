@@ -71,6 +71,7 @@ class KVExporter:
         self.poller.join(timeout=5)
 
     def export(self, request_id: str, block_ids: list[int], num_tokens: int, first_token: int) -> None:
+        self.engine.policy.wait_for_host_writes(host=True)  # decode instances read these blocks from the host
         index = torch.tensor(block_ids, dtype=torch.long, device=self.summaries.device)
         self.mirror[:, index.cpu()] = self.summaries[:, index].cpu()
         kv, mirror = self.host.kv, self.mirror

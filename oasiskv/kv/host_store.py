@@ -2,6 +2,7 @@
 out [layers, blocks, 2, block_size, kv_heads, head_dim] so one (layer, block) is one contiguous chunk."""
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 
@@ -66,6 +67,45 @@ class HostStore:
         store = store_tokens_to_host if k.is_cuda else store_tokens_to_host_reference
         store(k, v, self.kv, layer, blocks, offsets)
 
+    def write_span(self, layer: int, start_pos: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor,
+                   stream: "torch.cuda.Stream | None" = None, staging: torch.Tensor | None = None) -> int:
+        """One prefill chunk's K/V [T, Hkv, D]: tokens at positions start_pos.. of a request whose blocks
+        are block_ids (by position). Whole blocks are staged in the store's layout and copied by the copy
+        engines (DMA), one copy per run of consecutive ids, on `stream` (default the current one): they
+        take no SMs from the compute. Tokens of partially written blocks go through write_tokens, on the
+        current stream. The two never write the same block. Readers of the whole blocks must first wait
+        for `stream`. `staging`: a device buffer [n, 2, block_size, Hkv, D] to stage in (its first blocks;
+        the caller keeps it from being rewritten before the copies have read it), else a new tensor.
+        Returns the number of blocks staged."""
+        bs, end = self.block_size, start_pos + len(k)
+        first, last = -(-start_pos // bs), end // bs  # whole blocks [first, last)
+        if first >= last:
+            self._write_positions(layer, start_pos, range(start_pos, end), block_ids, k, v)
+            return 0
+        head, tail = first * bs - start_pos, last * bs - start_pos  # token indices where whole blocks start, end
+        partial = [*range(start_pos, first * bs), *range(last * bs, end)]
+        if partial:
+            self._write_positions(layer, start_pos, partial, block_ids, k, v)
+        shape = (last - first, bs, *k.shape[1:])
+        staged = None if staging is None else staging[:last - first]
+        staged = torch.stack([k[head:tail].reshape(shape), v[head:tail].reshape(shape)], dim=1, out=staged)
+        current = torch.cuda.current_stream(k.device) if k.is_cuda else None
+        stream = stream or current
+        if stream is not None and stream != current:
+            stream.wait_stream(current)
+            if staging is None:
+                staged.record_stream(stream)  # freed by the allocator only once the copies have read it
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for i, j, block in consecutive_runs(block_ids[first:last]):
+                self.kv[layer, block: block + j - i].copy_(staged[i:j], non_blocking=True)
+        return last - first
+
+    def _write_positions(self, layer, start_pos, positions, block_ids, k, v) -> None:
+        bs = self.block_size
+        lists = ([p - start_pos for p in positions], [block_ids[p // bs] for p in positions], [p % bs for p in positions])
+        index, blocks, offsets = (torch.tensor(x).to(k.device, non_blocking=True) for x in lists)
+        self.write_tokens(layer, blocks, offsets, k[index], v[index])
+
     def read_prefix(self, layer: int, blocks: torch.Tensor, num_tokens: int, device: torch.device):
         """K and V of the first num_tokens tokens stored in these blocks: [num_tokens, Hkv, D] each."""
         if device.type == "cuda" and self.kv.is_pinned():
@@ -79,3 +119,13 @@ class HostStore:
         k = chunk[:, 0].reshape(-1, *chunk.shape[-2:])[:num_tokens]
         v = chunk[:, 1].reshape(-1, *chunk.shape[-2:])[:num_tokens]
         return k, v
+
+
+def consecutive_runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """(i, j, ids[i]) for each maximal run ids[i:j] of consecutive ids (ids[i], ids[i] + 1, ...)."""
+    runs, i = [], 0
+    for j in range(1, len(ids) + 1):
+        if j == len(ids) or ids[j] != ids[j - 1] + 1:
+            runs.append((i, j, ids[i]))
+            i = j
+    return runs

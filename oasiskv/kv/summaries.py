@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from oasiskv.config import ModelConfig
+from oasiskv.policies.base import PrefillSpan
 from oasiskv.kernels.block_summary import update_block_summaries, update_block_summaries_reference
 
 
@@ -19,10 +20,34 @@ class BlockSummaries:
         """[blocks, 2, Hkv, D]: index 0 = min, 1 = max."""
         return self.data[i]
 
-    def merge_prefill(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor) -> None:
-        """Folds a prefill chunk's keys into its blocks' summaries. A block whose first token is in
-        the chunk starts afresh; one continued from an earlier chunk keeps what it had (min/max merge,
-        exact)."""
+    def merge_spans(self, layer: int, spans: list[PrefillSpan], k: torch.Tensor, block_size: int) -> None:
+        """Folds each prefill chunk's keys (k: the flat batch's, [T, Hkv, D]) into its blocks' summaries:
+        a block whose first token is in the chunk starts afresh, one continued from an earlier chunk keeps
+        what it had (min/max merge, exact). Whole blocks are reduced in one pass over [blocks, block_size]
+        (a scatter took 33 ms per 16K-token prefill of an 8B model). Nothing here waits for the device: such a
+        sync's small copy to the host queued behind the prefill's host-store DMA (HostStore.write_span) in
+        every layer."""
+        s = self.data[layer]
+        for span in spans:
+            keys = k[span.token_start: span.token_end].to(s.dtype)
+            start, end = span.start_pos, span.start_pos + len(keys)
+            first, last = -(-start // block_size), end // block_size  # whole blocks [first, last)
+            if first < last:
+                whole = keys[first * block_size - start: last * block_size - start]
+                whole = whole.view(last - first, block_size, *keys.shape[1:])
+                s[span.block_ids[first:last]] = torch.stack([whole.amin(1), whole.amax(1)], dim=1)
+            head_end = min(first * block_size, end)
+            if head_end > start:  # the rest of a block an earlier chunk started
+                head, row = keys[: head_end - start], span.block_ids[start // block_size: start // block_size + 1]
+                s[row, 0] = torch.minimum(s[row, 0], head.amin(0))
+                s[row, 1] = torch.maximum(s[row, 1], head.amax(0))
+            if end > max(last * block_size, start) and last >= first:  # a block this chunk starts, unfinished
+                tail, row = keys[last * block_size - start:], span.block_ids[last: last + 1]
+                s[row] = torch.stack([tail.amin(0), tail.amax(0)])[None]
+
+    def merge_tokens(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor) -> None:
+        """The same, token by token (the reference): token i goes to blocks[i] at offsets[i]; a block that
+        receives its offset 0 starts afresh. Waits for the device (boolean indexing)."""
         s = self.data[layer]
         fresh = blocks[offsets == 0]
         s[fresh, 0] = float("inf")

@@ -171,7 +171,7 @@ class QuestPolicy(SparsePolicy):
         write_kv(kv_layer, meta, k, v)
         out = torch.empty_like(q)
         if len(q) > nd:
-            self.summaries.merge_prefill(layer, meta.slot_blocks[nd:], meta.slot_offsets[nd:], k[nd:])
+            self.summaries.merge_spans(layer, meta.prefills, k, self.block_size)
         for span in meta.prefills:
             s, e = span.token_start, span.token_end
             out[s:e] = prefill_attention(q[s:e], k[s:e], v[s:e], kv_layer, span, self.scale)

@@ -50,6 +50,14 @@ class TieredPolicy(SparsePolicy):
         self.pending: list[dict[int, torch.Tensor]] = [{}, {}]
         self.counter_ids: dict[tuple[int, ...], torch.Tensor] = {}  # made once: no host copy in a capture
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        # prefill's whole blocks go to the pinned host store by DMA on their own stream (HostStore.write_span):
+        # a decode step, which may read them, first waits for it
+        self.store_stream = torch.cuda.Stream(device) if self.cuda and host.kv.is_pinned() else None
+        self.host_writes_pending = False
+        # two staging buffers for those copies, used by alternate layers, each with the event after the copies
+        # that last read it: a fixed 2 x (chunk's K/V) of device memory, not a new tensor per layer held until read
+        self.staging: list[torch.Tensor | None] = [None, None]
+        self.staging_read: list[torch.cuda.Event | None] = [None, None]
         self.capture_refs: list[torch.Tensor] = []  # read by the copy stream in a capture: kept till its end
         self.layer_range = torch.arange(pool.kv.shape[0], dtype=torch.int32, device=device)
 
@@ -105,6 +113,8 @@ class TieredPolicy(SparsePolicy):
     # -- the step -----------------------------------------------------------------------------------
     def begin_step(self, meta) -> None:
         super().begin_step(meta)
+        if meta.num_decode:
+            self.wait_for_host_writes()
         ids = meta.decode_request_ids
         self.rows = torch.tensor([self.ws.row(r) for r in ids], dtype=torch.long).to(self.pool.kv.device)
         # host tables one column wider: room for the block a draft token opens (scored, never fetched)
@@ -124,20 +134,59 @@ class TieredPolicy(SparsePolicy):
 
     def prefill(self, layer, q, k, v, out) -> None:
         """Prefill writes the host store (and summaries) and attends densely; nothing stays resident."""
-        meta, nd = self.meta, self.meta.num_decode
-        blocks, offsets = meta.slot_blocks[nd:], meta.slot_offsets[nd:]
-        self.host.write_tokens(layer, blocks, offsets, k[nd:], v[nd:])
-        self.summaries.merge_prefill(layer, blocks, offsets, k[nd:])
+        meta = self.meta
+        self.write_host(layer, k, v)
+        self.summaries.merge_spans(layer, meta.prefills, k, self.block_size)
         for span in meta.prefills:
             s, e = span.token_start, span.token_end
             if span.start_pos == 0:
                 out[s:e] = sdpa(q[s:e], k[s:e], v[s:e], self.scale, causal=True)
                 continue
+            self.wait_for_host_writes()  # the prefix read includes this chunk's own blocks
             ctx = span.start_pos + (e - s)
             pk, pv = self.host.read_prefix(layer, span.block_ids, ctx, q.device)
             mask = torch.arange(ctx, device=q.device)[None, :] <= (span.start_pos +
                                                                   torch.arange(e - s, device=q.device))[:, None]
             out[s:e] = sdpa(q[s:e], pk, pv, self.scale, mask=mask)
+
+    def write_host(self, layer, k, v) -> None:
+        """The prefill chunks' K/V to the host store: by the copy engines on the store stream where the
+        store is pinned, else token by token on the current stream."""
+        meta, nd = self.meta, self.meta.num_decode
+        if self.store_stream is None:
+            self.host.write_tokens(layer, meta.slot_blocks[nd:], meta.slot_offsets[nd:], k[nd:], v[nd:])
+            return
+        staging, used = self.staging_buffer(layer, len(k) - nd), 0
+        for span in meta.prefills:
+            s, e = span.token_start, span.token_end
+            used += self.host.write_span(layer, span.start_pos, span.block_list, k[s:e], v[s:e], self.store_stream,
+                                         staging[used:])
+        self.staging_read[layer % 2] = self.store_stream.record_event()
+        self.host_writes_pending = True
+
+    def staging_buffer(self, layer: int, tokens: int) -> torch.Tensor:
+        """Layer parity's staging buffer, with room for `tokens` tokens' whole blocks; the current stream
+        waits until the copies that last read it are done (two layers ago: long since, in practice)."""
+        i = layer % 2
+        buffer, read = self.staging[i], self.staging_read[i]
+        if buffer is None or len(buffer) < tokens // self.block_size:
+            if buffer is not None:  # its memory is reused only once pending copies have read it
+                buffer.record_stream(self.store_stream)
+            shape = (tokens // self.block_size, *self.host.kv.shape[2:])
+            self.staging[i] = buffer = torch.empty(shape, dtype=self.host.kv.dtype, device=self.pool.kv.device)
+        elif read is not None:
+            torch.cuda.current_stream().wait_event(read)
+        return buffer
+
+    def wait_for_host_writes(self, host: bool = False) -> None:
+        """Orders the current stream (or with `host`, the host) after the prefill's host-store writes."""
+        if not self.host_writes_pending:
+            return
+        if host:
+            self.store_stream.synchronize()
+            self.host_writes_pending = False
+        else:
+            torch.cuda.current_stream().wait_stream(self.store_stream)
 
     def write_tail(self, layer, k, v, draft=None):
         """Appends each decode token's K/V to its tail block (made resident first: after a prefill the
