@@ -17,26 +17,8 @@ import torch
 
 from oasiskv.config import CacheConfig, EngineConfig, KVConfig, SamplingParams, SchedulerConfig
 from oasiskv.engine.engine import LLMEngine
-from oasiskv.lookahead.base import DraftSource
+from oasiskv.lookahead.teacher import TeacherDraft
 from oasiskv.policies.oasis import OasisPolicy
-
-
-class TeacherDraft(DraftSource):
-    """Drafts the token a reference run produced next (a perfect draft)."""
-
-    name = "teacher"
-
-    def __init__(self, prompt_len: dict[str, int], outputs: dict[str, list[int]]):
-        self.prompt_len, self.outputs = prompt_len, outputs
-
-    def propose(self, chunks, captured):
-        out = {}
-        for c in chunks:
-            if c.sampled:
-                i = len(c.context) - self.prompt_len[c.request_id]
-                ref = self.outputs[c.request_id]
-                out[c.request_id] = ref[i] if i < len(ref) else c.context[-1]
-        return out
 
 
 COUNTERS = ("kv_selected_blocks", "kv_hits", "kv_misses", "kv_prefetched_blocks", "kv_fetched_blocks",

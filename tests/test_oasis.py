@@ -11,32 +11,13 @@ import torch
 from oasiskv.api import LLM, SamplingParams
 from oasiskv.config import CacheConfig, EngineConfig, KVConfig, SamplingParams as SP, SchedulerConfig
 from oasiskv.engine.engine import LLMEngine
-from oasiskv.lookahead.base import DraftSource
+from oasiskv.lookahead.teacher import TeacherDraft
 from oasiskv.lookahead.draft_data import stdlib_prompts
 
 from tests.test_sparse_modes import PROMPTS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 SPARSE = dict(kv_budget=64, sink_blocks=1, local_blocks=1, kv_cache_gb=0.2, host_kv_gb=0.5, max_num_batched_tokens=256)
-
-
-class TeacherDraft(DraftSource):
-    """Test-only: drafts the token a reference run produced next (a perfect draft)."""
-
-    name = "teacher"
-
-    def __init__(self, prompts: dict[str, list[int]], outputs: dict[str, list[int]]):
-        self.prompt_len = {rid: len(p) for rid, p in prompts.items()}
-        self.outputs = outputs
-
-    def propose(self, chunks, captured):
-        out = {}
-        for c in chunks:
-            if c.sampled:
-                i = len(c.context) - self.prompt_len[c.request_id]  # index of the token after the new one
-                reference = self.outputs[c.request_id]
-                out[c.request_id] = reference[i] if i < len(reference) else c.context[-1]
-        return out
 
 
 def run(llm: LLM, prompts=PROMPTS, params=GREEDY):
@@ -49,7 +30,8 @@ def test_perfect_draft_with_full_cap_gives_quest_tokens():
     llm = LLM(show_progress=False, kv_mode="oasis", fetch_cap=1.0, **SPARSE)
     engine = llm.engine
     prompts = {str(i): engine.tokenizer.encode(p) for i, p in enumerate(long_prompts)}
-    engine.drafter = TeacherDraft(prompts, {str(i): t for i, t in enumerate(quest)})
+    reference = {str(i): t for i, t in enumerate(quest)}
+    engine.drafter = TeacherDraft({rid: len(p) for rid, p in prompts.items()}, reference)
     for rid, ids in prompts.items():
         engine.add_request(ids, GREEDY, request_id=rid)
     while engine.has_unfinished():
@@ -59,6 +41,8 @@ def test_perfect_draft_with_full_cap_gives_quest_tokens():
     stats = engine.stats_dict()
     assert stats["kv_prefetched_blocks"] > 0  # the context outgrows the budget: blocks really moved
     assert stats["kv_agreement"] > 0.9, stats["kv_agreement_per_layer"]
+    # every token after a request's first (sampled by its prefill) had a draft, and the teacher was always right
+    assert stats["draft_tokens"] == sum(len(t) - 1 for t in quest) and stats["draft_accuracy"] == 1.0
 
 
 class RecordingSampler:
@@ -163,6 +147,22 @@ def test_fetch_cap_holds_for_hundreds_of_steps_and_resident_blocks_equal_the_hos
     assert steps >= 300 and new_blocks > 50
     assert stats["kv_max_prefetched_blocks"] == 1 and stats["kv_prefetched_blocks"] >= new_blocks
     assert stats["kv_prefetch_bytes"] == stats["kv_prefetched_blocks"] * engine.host.chunk_bytes
+
+
+def test_draft_accuracy_counts_the_guesses_that_came_true(tmp_path):
+    engine = tiny_engine(tmp_path, fetch_cap=0.25, draft="repeat")  # guesses the token just sampled
+    gen = torch.Generator().manual_seed(5)
+    prompts = {str(i): torch.randint(0, 4, (40 + 20 * i,), generator=gen).tolist() for i in range(3)}
+    for rid, ids in prompts.items():  # a 4-token vocabulary of the prompt, sampled: repeats are common
+        engine.add_request(ids, SP(temperature=1.0, top_k=4, seed=int(rid), max_tokens=30, ignore_eos=True),
+                           request_id=rid)
+    while engine.has_unfinished():
+        engine.step()
+    outputs = [engine.requests[rid].output_token_ids for rid in prompts]
+    right = sum(a == b for out in outputs for a, b in zip(out, out[1:]))
+    stats = engine.stats_dict()
+    assert stats["draft_tokens"] == sum(len(out) - 1 for out in outputs) == 87
+    assert stats["draft_tokens_right"] == right > 0 and stats["draft_accuracy"] == right / 87
 
 
 def check_resident_blocks_equal_host(engine: LLMEngine) -> None:

@@ -32,10 +32,13 @@ class EngineStats:
     decode_tokens: int = 0
     step_time_s: float = 0.0
     preemptions: int = 0
+    draft_tokens: int = 0  # oasis: sampled tokens that had a draft (a guess of them)
+    draft_tokens_right: int = 0  # ... and the guess was right
     extra: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k != "extra"}
+        d["draft_accuracy"] = self.draft_tokens_right / self.draft_tokens if self.draft_tokens else None
         d.update(self.extra)
         return d
 
@@ -207,6 +210,9 @@ class LLMEngine:
         finished = []
         for rid, tok in zip(result.request_ids, tokens):
             req = self.requests[rid]
+            if req.draft_token_id is not None:  # the draft that ran beside this step guessed `tok`
+                self.stats.draft_tokens += 1
+                self.stats.draft_tokens_right += req.draft_token_id == tok
             if self.append_token(req, tok):
                 finished.append(req)
         if self.drafter is not None:
