@@ -74,6 +74,7 @@ def test_modes_side_by_side(tiny, tmp_path, capsys):
     for mode in ("retrieval", "oasis"):
         assert rows[mode]["pcie_gb_per_step"] > 0 and 0 < rows[mode]["hit_rate"] <= 1
     assert 0 <= rows["oasis"]["agreement"] <= 1 and rows["retrieval"]["agreement"] is None
+    assert 0 <= rows["oasis"]["draft_accuracy"] <= 1 and rows["retrieval"]["draft_accuracy"] is None
     assert "draft: prediction + prefetch issue" in rows["oasis"]["step_profile"]["phases_ms"]
     assert "Throughput:" in capsys.readouterr().out
 

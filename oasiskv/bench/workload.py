@@ -158,6 +158,8 @@ def summarize(engine, done, log: StepLog, elapsed: float, stats0: dict, kv: dict
         "prefetch_gb_per_step": sig(kv["kv_prefetch_bytes"] / steps / 1e9) if "kv_prefetch_bytes" in kv else None,
         "hit_rate": ratio(kv.get("kv_hits"), kv.get("kv_selected_blocks")),
         "agreement": ratio(kv.get("kv_agree_hits"), kv.get("kv_agree_total")),
+        "draft_accuracy": ratio(engine.stats.draft_tokens_right - stats0["draft_tokens_right"],
+                                engine.stats.draft_tokens - stats0["draft_tokens"]),
         "prefetch_exposed_ms_per_step": round(1000 * kv["kv_time_prefetch_exposed_s"] / steps, 3)
         if "kv_time_prefetch_exposed_s" in kv else None,
     }
