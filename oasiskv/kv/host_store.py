@@ -110,7 +110,7 @@ class HostStore:
         """K and V of the first num_tokens tokens stored in these blocks: [num_tokens, Hkv, D] each."""
         if device.type == "cuda" and self.kv.is_pinned():
             # gathered on the GPU from the store's device address: PCIe reads, no host copy, and no
-            # sync (the prefill's writes to the store are on the same stream)
+            # sync (the caller orders the current stream after the writes to these blocks)
             chunk = self.device_view(device)[layer].index_select(0, blocks.to(device, non_blocking=True))
         else:
             if device.type == "cuda":  # the host reads what the device may still be writing

@@ -54,6 +54,7 @@ class TieredPolicy(SparsePolicy):
         # a decode step, which may read them, first waits for it
         self.store_stream = torch.cuda.Stream(device) if self.cuda and host.kv.is_pinned() else None
         self.host_writes_pending = False
+        self.prefix_written: torch.cuda.Event | None = None
         # two staging buffers for those copies, used by alternate layers, each with the event after the copies
         # that last read it: a fixed 2 x (chunk's K/V) of device memory, not a new tensor per layer held until read
         self.staging: list[torch.Tensor | None] = [None, None]
@@ -115,6 +116,8 @@ class TieredPolicy(SparsePolicy):
         super().begin_step(meta)
         if meta.num_decode:
             self.wait_for_host_writes()
+        # what earlier steps wrote to the host store, for the prefix reads of continued prefills
+        self.prefix_written = self.store_stream.record_event() if self.host_writes_pending else None
         ids = meta.decode_request_ids
         self.rows = torch.tensor([self.ws.row(r) for r in ids], dtype=torch.long).to(self.pool.kv.device)
         # host tables one column wider: room for the block a draft token opens (scored, never fetched)
@@ -142,9 +145,13 @@ class TieredPolicy(SparsePolicy):
             if span.start_pos == 0:
                 out[s:e] = sdpa(q[s:e], k[s:e], v[s:e], self.scale, causal=True)
                 continue
-            self.wait_for_host_writes()  # the prefix read includes this chunk's own blocks
-            ctx = span.start_pos + (e - s)
-            pk, pv = self.host.read_prefix(layer, span.block_ids, ctx, q.device)
+            # earlier chunks' K/V from the host store (their copies were issued in earlier steps); this
+            # chunk's own from the GPU
+            if self.prefix_written is not None:
+                torch.cuda.current_stream().wait_event(self.prefix_written)
+            prior, ctx = span.start_pos, span.start_pos + (e - s)
+            pk, pv = self.host.read_prefix(layer, span.block_ids[: -(-prior // self.block_size)], prior, q.device)
+            pk, pv = torch.cat([pk, k[s:e]]), torch.cat([pv, v[s:e]])
             mask = torch.arange(ctx, device=q.device)[None, :] <= (span.start_pos +
                                                                   torch.arange(e - s, device=q.device))[:, None]
             out[s:e] = sdpa(q[s:e], pk, pv, self.scale, mask=mask)
