@@ -46,7 +46,8 @@ def test_span_writes_equal_token_writes(device, start, tokens, staged_in_buffer)
     expected.write_tokens(1, blocks, offsets, k, v)
     store = HostStore(CFG, len(table), bs, torch.bfloat16, pin=device == "cuda")
     buffer = torch.full((12, 2, bs, 2, 8), 7.0, dtype=torch.bfloat16, device=device) if staged_in_buffer else None
-    staged = store.write_span(1, start, table, k.to(device), v.to(device), stream, buffer)
+    staged = store.write_span(1, start, table, k.to(device), v.to(device), blocks.to(device), offsets.to(device),
+                              stream, buffer)
     assert staged == max(0, (start + tokens) // bs - -(-start // bs))  # whole blocks
     if stream is not None:
         torch.cuda.synchronize()

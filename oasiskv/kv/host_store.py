@@ -68,24 +68,26 @@ class HostStore:
         store(k, v, self.kv, layer, blocks, offsets)
 
     def write_span(self, layer: int, start_pos: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor,
-                   stream: "torch.cuda.Stream | None" = None, staging: torch.Tensor | None = None) -> int:
+                   blocks: torch.Tensor, offsets: torch.Tensor, stream: "torch.cuda.Stream | None" = None,
+                   staging: torch.Tensor | None = None) -> int:
         """One prefill chunk's K/V [T, Hkv, D]: tokens at positions start_pos.. of a request whose blocks
-        are block_ids (by position). Whole blocks are staged in the store's layout and copied by the copy
-        engines (DMA), one copy per run of consecutive ids, on `stream` (default the current one): they
-        take no SMs from the compute. Tokens of partially written blocks go through write_tokens, on the
-        current stream. The two never write the same block. Readers of the whole blocks must first wait
-        for `stream`. `staging`: a device buffer [n, 2, block_size, Hkv, D] to stage in (its first blocks;
-        the caller keeps it from being rewritten before the copies have read it), else a new tensor.
+        are block_ids (by position); `blocks`/`offsets` (device, [T]) are each token's block and offset.
+        Whole blocks are staged in the store's layout and copied by the copy engines (DMA), one copy per
+        run of consecutive ids, on `stream` (default the current one): they take no SMs from the compute.
+        Tokens of partially written blocks (at either end) go through write_tokens, on the current
+        stream; the two never write the same block. Readers of the whole blocks must first wait for
+        `stream`. `staging`: a device buffer [n, 2, block_size, Hkv, D] to stage in (its first blocks; the
+        caller keeps it from being rewritten before the copies have read it), else a new tensor.
         Returns the number of blocks staged."""
         bs, end = self.block_size, start_pos + len(k)
         first, last = -(-start_pos // bs), end // bs  # whole blocks [first, last)
         if first >= last:
-            self._write_positions(layer, start_pos, range(start_pos, end), block_ids, k, v)
+            self.write_tokens(layer, blocks, offsets, k, v)
             return 0
         head, tail = first * bs - start_pos, last * bs - start_pos  # token indices where whole blocks start, end
-        partial = [*range(start_pos, first * bs), *range(last * bs, end)]
-        if partial:
-            self._write_positions(layer, start_pos, partial, block_ids, k, v)
+        for lo, hi in ((0, head), (tail, len(k))):
+            if hi > lo:
+                self.write_tokens(layer, blocks[lo:hi], offsets[lo:hi], k[lo:hi], v[lo:hi])
         shape = (last - first, bs, *k.shape[1:])
         staged = None if staging is None else staging[:last - first]
         staged = torch.stack([k[head:tail].reshape(shape), v[head:tail].reshape(shape)], dim=1, out=staged)
@@ -99,12 +101,6 @@ class HostStore:
             for i, j, block in consecutive_runs(block_ids[first:last]):
                 self.kv[layer, block: block + j - i].copy_(staged[i:j], non_blocking=True)
         return last - first
-
-    def _write_positions(self, layer, start_pos, positions, block_ids, k, v) -> None:
-        bs = self.block_size
-        lists = ([p - start_pos for p in positions], [block_ids[p // bs] for p in positions], [p % bs for p in positions])
-        index, blocks, offsets = (torch.tensor(x).to(k.device, non_blocking=True) for x in lists)
-        self.write_tokens(layer, blocks, offsets, k[index], v[index])
 
     def read_prefix(self, layer: int, blocks: torch.Tensor, num_tokens: int, device: torch.device):
         """K and V of the first num_tokens tokens stored in these blocks: [num_tokens, Hkv, D] each."""

@@ -29,21 +29,21 @@ class BlockSummaries:
         every layer."""
         s = self.data[layer]
         for span in spans:
-            keys = k[span.token_start: span.token_end].to(s.dtype)
+            keys = k[span.token_start: span.token_end]  # reduced in their own dtype, converted after: exact
             start, end = span.start_pos, span.start_pos + len(keys)
             first, last = -(-start // block_size), end // block_size  # whole blocks [first, last)
             if first < last:
                 whole = keys[first * block_size - start: last * block_size - start]
                 whole = whole.view(last - first, block_size, *keys.shape[1:])
-                s[span.block_ids[first:last]] = torch.stack([whole.amin(1), whole.amax(1)], dim=1)
+                s[span.block_ids[first:last]] = torch.stack([whole.amin(1), whole.amax(1)], dim=1).to(s.dtype)
             head_end = min(first * block_size, end)
             if head_end > start:  # the rest of a block an earlier chunk started
                 head, row = keys[: head_end - start], span.block_ids[start // block_size: start // block_size + 1]
-                s[row, 0] = torch.minimum(s[row, 0], head.amin(0))
-                s[row, 1] = torch.maximum(s[row, 1], head.amax(0))
+                s[row, 0] = torch.minimum(s[row, 0], head.amin(0).to(s.dtype))
+                s[row, 1] = torch.maximum(s[row, 1], head.amax(0).to(s.dtype))
             if end > max(last * block_size, start) and last >= first:  # a block this chunk starts, unfinished
                 tail, row = keys[last * block_size - start:], span.block_ids[last: last + 1]
-                s[row] = torch.stack([tail.amin(0), tail.amax(0)])[None]
+                s[row] = torch.stack([tail.amin(0), tail.amax(0)])[None].to(s.dtype)
 
     def merge_tokens(self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor) -> None:
         """The same, token by token (the reference): token i goes to blocks[i] at offsets[i]; a block that

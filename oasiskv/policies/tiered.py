@@ -116,7 +116,8 @@ class TieredPolicy(SparsePolicy):
         super().begin_step(meta)
         if meta.num_decode:
             self.wait_for_host_writes()
-        # what earlier steps wrote to the host store, for the prefix reads of continued prefills
+        # what earlier steps wrote to the host store and the current stream has not waited for yet: the
+        # prefix reads of continued prefills wait for it
         self.prefix_written = self.store_stream.record_event() if self.host_writes_pending else None
         ids = meta.decode_request_ids
         self.rows = torch.tensor([self.ws.row(r) for r in ids], dtype=torch.long).to(self.pool.kv.device)
@@ -166,8 +167,8 @@ class TieredPolicy(SparsePolicy):
         staging, used = self.staging_buffer(layer, len(k) - nd), 0
         for span in meta.prefills:
             s, e = span.token_start, span.token_end
-            used += self.host.write_span(layer, span.start_pos, span.block_list, k[s:e], v[s:e], self.store_stream,
-                                         staging[used:])
+            used += self.host.write_span(layer, span.start_pos, span.block_list, k[s:e], v[s:e], meta.slot_blocks[s:e],
+                                         meta.slot_offsets[s:e], self.store_stream, staging[used:])
         self.staging_read[layer % 2] = self.store_stream.record_event()
         self.host_writes_pending = True
 
@@ -187,13 +188,13 @@ class TieredPolicy(SparsePolicy):
 
     def wait_for_host_writes(self, host: bool = False) -> None:
         """Orders the current stream (or with `host`, the host) after the prefill's host-store writes."""
-        if not self.host_writes_pending:
+        if self.store_stream is None:
             return
         if host:
             self.store_stream.synchronize()
-            self.host_writes_pending = False
-        else:
+        elif self.host_writes_pending:  # once waited for, later steps need not wait again
             torch.cuda.current_stream().wait_stream(self.store_stream)
+            self.host_writes_pending = False
 
     def write_tail(self, layer, k, v, draft=None):
         """Appends each decode token's K/V to its tail block (made resident first: after a prefill the
