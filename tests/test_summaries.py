@@ -25,7 +25,8 @@ def chunked(lengths_by_step: list[list[int]], seed: int):
                 continue
             start, end = done[r], done[r] + n
             pos = torch.arange(start, end)
-            spans.append(PrefillSpan(t, t + n, start, tables[r, :-(-end // BS)]))
+            used = tables[r, :-(-end // BS)]
+            spans.append(PrefillSpan(t, t + n, start, used, used.tolist()))
             keys.append(torch.randn(n, 2, 8, generator=gen))
             blocks.append(tables[r][pos // BS])
             offsets.append(pos % BS)
@@ -55,7 +56,7 @@ def test_chunk_summaries_equal_token_by_token(lengths_by_step):
 def test_bf16_keys_into_fp32_summaries_are_exact():
     summaries = BlockSummaries(CFG, 8, torch.float32, torch.device("cpu"))
     keys = torch.randn(10, 2, 8).to(torch.bfloat16)
-    summaries.merge_spans(0, [PrefillSpan(0, 10, 0, torch.tensor([3, 5, 6]))], keys, BS)
+    summaries.merge_spans(0, [PrefillSpan(0, 10, 0, torch.tensor([3, 5, 6]), [3, 5, 6])], keys, BS)
     blocks = [keys[0:4], keys[4:8], keys[8:10]]
     for block_id, block in zip([3, 5, 6], blocks):
         assert torch.equal(summaries.data[0, block_id, 0], block.float().amin(0))

@@ -1,7 +1,7 @@
 """What every KV policy receives each step, and the interface it implements."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -15,7 +15,7 @@ class PrefillSpan:
     token_end: int
     start_pos: int
     block_ids: torch.Tensor  # long [n_blocks]
-    block_list: list[int] = field(default_factory=list)  # the same ids, on the host
+    block_list: list[int]  # the same ids, on the host
 
 
 @dataclass
