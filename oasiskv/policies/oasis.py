@@ -291,7 +291,7 @@ class OasisPolicy(TieredPolicy):
         g, b = len(layers), len(nblocks)
         # fresh contiguous lists: with one request, reshape(-1) of an expanded row list is a stride-0 view,
         # which kernels indexing rows[i] read past
-        layer_of = self.layer_ids[layers[0]: layers[-1] + 1].repeat_interleave(b)
+        layer_of = self.layer_ids[layers[0]: layers[-1] + 1, None].expand(g, b).reshape(-1)
         rows = self.rows.repeat(g)
         host_tables = self.host_tables.repeat(g, 1)
         scores = torch.cat(draft_scores)

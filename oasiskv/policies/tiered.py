@@ -83,9 +83,14 @@ class TieredPolicy(SparsePolicy):
         index = self.counter_ids[key]
         values = torch.stack(list(pending.values())).long()  # [counters, rows counted]
         rows = self.rows if rows is None else rows
-        self.row_counts[lane].index_put_((rows[None, :], index[:, None]), values, accumulate=True)
+        # index_add_ into the flat tables: one atomic kernel, where an accumulating index_put_ sorts its
+        # indices (a dozen kernels, on the copy stream's path at the end of each step)
+        width = len(self.COUNTERS)
+        self.row_counts[lane].view(-1).index_add_(0, (rows[None, :] * width + index[:, None]).view(-1),
+                                                  values.view(-1))
         if isinstance(layer, torch.Tensor):
-            self.layer_counts[lane].index_put_((layer[None, :], index[:, None]), values, accumulate=True)
+            self.layer_counts[lane].view(-1).index_add_(0, (layer[None, :] * width + index[:, None]).view(-1),
+                                                        values.view(-1))
         else:
             self.layer_counts[lane, layer].index_add_(0, index, values.sum(1))
         self.pending[lane] = {}
