@@ -34,15 +34,17 @@ def main() -> None:
     p.add_argument("--host-gb", type=float, default=64)
     p.add_argument("--rows", type=int, default=25)
     p.add_argument("--graphs", action="store_true", help="profile CUDA graph replays (default: eager steps)")
-    p.add_argument("--warmup-steps", type=int, default=8)
+    p.add_argument("--warmup-steps", type=int, default=40, help="two periods of the step shapes that recur every "
+                   "block_size steps: each is seen eagerly, then captured, before the profile")
     p.add_argument("--stride", type=int, default=0, help="prompt i has context + i * stride tokens")
     p.add_argument("--trace-dir", default=None, help="also save each mode's trace there (MODE.json.gz)")
     args = p.parse_args()
     prompts = prompts_for(args.batch, args.context, stride=args.stride)
     for mode in args.modes.split(","):
-        engine = engine_for(args, mode, not args.graphs, "bfloat16", args.context, 64)
+        tokens = args.batch + args.warmup_steps + args.steps + 8  # none finishes before the profile ends
+        engine = engine_for(args, mode, not args.graphs, "bfloat16", args.context + args.batch * args.stride, tokens)
         for prompt in prompts:
-            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
         while any(len(r.output_token_ids) < 2 for r in engine.requests.values()):
             engine.step()
         for _ in range(args.warmup_steps):
