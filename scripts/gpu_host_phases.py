@@ -60,6 +60,9 @@ def measure(args, mode: str, stride: int) -> dict:
     real_replay = torch.cuda.CUDAGraph.replay
 
     def replay(graph):
+        if torch.cuda.current_stream() != torch.cuda.default_stream():  # oasis's tail graph, on the copy stream
+            real_replay(graph)
+            return
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
@@ -90,7 +93,8 @@ def measure(args, mode: str, stride: int) -> dict:
     gc.unfreeze()
     torch.cuda.CUDAGraph.replay = real_replay
     device_ms = [s.elapsed_time(e) for s, e in replays]
-    row = {"mode": mode, "stride": stride, "prefetch_programs": OasisPolicy.PREFETCH_PROGRAMS, "batch": args.batch, "wall_ms_per_step": round(wall, 3),
+    row = {"mode": mode, "stride": stride, "prefetch_programs": OasisPolicy.PREFETCH_PROGRAMS,
+           "tail_layers": OasisPolicy.TAIL_LAYERS, "batch": args.batch, "wall_ms_per_step": round(wall, 3),
            "replays": graphs.counts["cuda_graph_replays"] - before,
            "captures": graphs.counts["cuda_graph_captures"] - captures, "gc_freeze": args.gc_freeze,
            "step_ms_median": round(statistics.median(step_ms), 3), "step_ms_max": round(max(step_ms), 3),
@@ -114,6 +118,7 @@ def main() -> None:
     # steps): the first runs eagerly, the second captures; a capture inside the timed steps costs ~100 ms
     p.add_argument("--warmup", type=int, default=40)
     p.add_argument("--prefetch-programs", type=int, default=None, help="OasisPolicy.PREFETCH_PROGRAMS")
+    p.add_argument("--tail-layers", type=int, default=None, help="OasisPolicy.TAIL_LAYERS (0: no tail graph)")
     p.add_argument("--budget", type=int, default=2048)
     p.add_argument("--gpu-gb", type=float, default=72)
     p.add_argument("--host-gb", type=float, default=64)
@@ -122,6 +127,8 @@ def main() -> None:
     args = p.parse_args()
     if args.prefetch_programs is not None:
         OasisPolicy.PREFETCH_PROGRAMS = args.prefetch_programs
+    if args.tail_layers is not None:
+        OasisPolicy.TAIL_LAYERS = args.tail_layers
     rows = []
     for mode in args.modes.split(","):
         for stride in (int(s) for s in args.strides.split(",")):

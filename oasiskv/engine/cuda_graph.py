@@ -9,6 +9,9 @@ and the identity of every input tensor. So:
   - the policy names the per-step tensors its begin_step makes (STEP_TENSORS), copied in before replay;
   - a key seen for the first time runs eagerly (Triton compiles, the allocator warms up); the second
     time it is captured (capturing records, it does not run) and then replayed.
+A policy may also leave work for after the step (capture_tail): a second graph, replayed on its own stream
+right after the step's, that the host does not wait for (oasis: the last layers' prefetch, beside the
+sampling and the next step's host work). The next replay waits for it (before_replay).
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ class CapturedStep:
     step_tensors: dict[str, torch.Tensor]  # the policy's STEP_TENSORS as captured
     logits: torch.Tensor  # [num_decode, vocab] fp32, rewritten by each replay
     captured: list[torch.Tensor]  # hidden states of the capture layers, rewritten by each replay
+    tail: object = None  # the policy's capture_tail(): work replayed after the step, not waited for
 
     def load(self, ids, positions, meta: AttentionMetadata, policy: KVPolicy) -> None:
         fresh = {"ids": ids, "positions": positions, **{name: getattr(meta, name) for name in META_TENSORS}}
@@ -53,6 +57,7 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         for step in self.graphs.values():
             step.graph.reset()
+            self.policy.reset_tail(step.tail)
         self.graphs.clear()
         self.seen.clear()
 
@@ -65,16 +70,19 @@ class DecodeGraphs:
             return None
         key = (len(ids), meta.num_decode, tuple(meta.decode_block_tables.shape), capture_layers) + policy_key
         step = self.graphs.get(key)
+        if step is None and key not in self.seen:
+            self.seen.add(key)
+            return None
+        # after what eager steps left on other streams, and the last tail, which may still read the inputs
+        # that load rewrites
+        self.policy.before_replay()
         if step is None:
-            if key not in self.seen:
-                self.seen.add(key)
-                return None
             step = self.capture(key, ids, positions, meta, capture_layers)
         else:
             self.graphs.move_to_end(key)
             step.load(ids, positions, meta, self.policy)
-        self.policy.before_replay()
         step.graph.replay()
+        self.policy.replay_tail(step.tail)
         self.counts["cuda_graph_replays"] += 1
         return step.logits, step.captured
 
@@ -85,9 +93,10 @@ class DecodeGraphs:
             hidden, captured = self.model(ids, positions, self.policy, capture_layers)
             logits = self.model.logits(hidden[: meta.num_decode])
             self.policy.end_capture()
+        tail = self.policy.capture_tail(self.pool)
         inputs = {"ids": ids, "positions": positions, **{name: getattr(meta, name) for name in META_TENSORS}}
         step_tensors = {name: getattr(self.policy, name) for name in self.policy.STEP_TENSORS}
-        step = CapturedStep(graph, inputs, step_tensors, logits, captured)
+        step = CapturedStep(graph, inputs, step_tensors, logits, captured, tail)
         self.graphs[key] = step
         if len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)

@@ -48,13 +48,22 @@ class NgramDraft(DraftSource):
     def match(self, request_id: str, context: Sequence[int]) -> int | None:
         """The token after the latest earlier occurrence of the longest matching suffix (n from max_n down
         to min_n), or None when no suffix occurred before."""
-        tables, done = self.tables.setdefault(request_id, ([{} for _ in range(self.max_n + 1)], [0]))
+        state = self.tables.get(request_id)
+        if state is None:
+            state = self.tables[request_id] = ([{} for _ in range(self.max_n + 1)], [0])
+        tables, done = state
         if done[0] > len(context):  # a recompute restarted the request
             tables[:] = [{} for _ in range(self.max_n + 1)]
             done[0] = 0
-        self.extend(tables, context, max(done[0], 1))
+        window = context[-self.max_n - 1:]  # the last max_n + 1 tokens: all a decode step reads
+        if len(context) - done[0] == 1 and done[0]:  # one new token (a decode step): its n-grams only
+            end = len(window) - 1
+            for n in range(self.min_n, min(self.max_n, len(context) - 1) + 1):
+                tables[n][key_of(window[end - n:end])] = window[end]
+        else:
+            self.extend(tables, context, max(done[0], 1))
         done[0] = len(context)
-        tail = list(context[-self.max_n:])
+        tail = window[-self.max_n:]
         for n in range(min(self.max_n, len(context) - 1), self.min_n - 1, -1):
             follower = tables[n].get(key_of(tail[len(tail) - n:]))
             if follower is not None:
@@ -80,5 +89,11 @@ class NgramDraft(DraftSource):
             tables[n].update(zip(keys, tokens[first:]))
 
 
+_PACKERS: dict[int, object] = {}
+
+
 def key_of(gram: list[int]) -> bytes:
-    return struct.pack(f"<{len(gram)}i", *gram)
+    pack = _PACKERS.get(len(gram))
+    if pack is None:
+        pack = _PACKERS[len(gram)] = struct.Struct(f"<{len(gram)}i").pack
+    return pack(*gram)

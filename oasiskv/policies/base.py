@@ -73,6 +73,18 @@ class KVPolicy:
     def end_capture(self) -> None:
         """At the end of a captured forward: join every stream the capture forked."""
 
+    def capture_tail(self, pool):
+        """After a capture: work the policy left for after the step, captured as its own graph (in the
+        graph memory `pool`), or None. It is replayed after each replay of the step (replay_tail), and
+        before_replay orders the next replay after it."""
+        return None
+
+    def replay_tail(self, tail) -> None:
+        """Right after the step's replay: run the tail captured with it (None: nothing)."""
+
+    def reset_tail(self, tail) -> None:
+        """The step's graph is dropped: free its tail's too."""
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 

@@ -81,6 +81,9 @@ class OasisPolicy(TieredPolicy):
     # GPU programs that copy the prefetched blocks (0: one per block). A copy waits on PCIe, not on the
     # SMs: a few programs keep the link busy and leave the other SMs to the compute stream.
     PREFETCH_PROGRAMS = 16
+    # in a captured step, the prediction of the groups that end in the last TAIL_LAYERS layers runs after the
+    # step (capture_tail), so the step's graph need not wait for their copies (0: none deferred)
+    TAIL_LAYERS = PREDICT_GROUP
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
@@ -95,6 +98,11 @@ class OasisPolicy(TieredPolicy):
         self.layer_ids = torch.arange(layers, device=self.pool.kv.device)
         self.waiting: list[tuple[int, torch.Tensor]] = []  # (layer, draft block scores) not yet predicted from
         self.group_ends = self.prediction_group_ends(layers)
+        # in a capture, the groups from this layer on are predicted in the tail graph (capture_tail): after
+        # the step, beside the sampling and the host's work, rather than before the step's graph may end
+        self.tail_from = max(layers - self.TAIL_LAYERS, self.cfg.dense_layers) if self.TAIL_LAYERS else layers
+        self.deferring = False
+        self.deferred: list[list[tuple[int, torch.Tensor]]] = []
         names = {"selected": "selected_blocks"}  # kernels/residency.py's counters -> ours
         self.residency_counters = torch.tensor([self.counter_index[names.get(c, c)] for c in RESIDENCY_COUNTERS],
                                                device=self.pool.kv.device)
@@ -111,14 +119,14 @@ class OasisPolicy(TieredPolicy):
         rows = [self.ws.row(r) for r in meta.decode_request_ids]
         step, dev = self.step_index, self.pool.kv.device
         cold = [r not in self.predicted_at for r in rows]
-        self.cold = torch.tensor(cold, dtype=torch.bool).to(dev)
+        fresh = [self.predicted_at.get(r) == step - 1 for r in rows]
+        self.cold, self.fresh = torch.tensor([cold, fresh], dtype=torch.bool).to(dev)  # one copy to the device
         self.any_cold = any(cold)
         # after its first decode step a request's tail is always resident: the same block as last
         # step's, or the one last step's draft opened (both protected from eviction)
         self.tails_resident = not self.any_cold
         seq_lens = meta.decode_seq_lens_host
         self.any_opens = any(n % self.block_size == 0 for n in seq_lens)  # a draft starts a new block
-        self.fresh = torch.tensor([self.predicted_at.get(r) == step - 1 for r in rows], dtype=torch.bool).to(dev)
         self.predicted_at.update((r, step) for r in rows)
         self.decode_steps += bool(rows)
         self.waiting = []
@@ -139,6 +147,40 @@ class OasisPolicy(TieredPolicy):
         key = super().graph_key()
         return None if key is None or self.any_cold else key + (self.any_opens,)
 
+    def begin_capture(self) -> None:
+        super().begin_capture()
+        self.deferring = True
+
+    def capture_tail(self, pool):
+        """The deferred groups' prediction, captured on the copy stream: (graph, their layers), or None."""
+        self.deferring = False
+        groups, self.deferred = self.deferred, []
+        if not groups:
+            return None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=self.copy_stream):
+            for group in groups:
+                self.waiting = group
+                self.predict_and_prefetch(self.rows_now)
+        self.capture_refs.clear()  # the tail's streams have joined: what it read may be reused
+        return graph, [layer for group in groups for layer, _ in group]
+
+    def replay_tail(self, tail) -> None:
+        """The next replay waits for it (before_replay); an eager step, per layer (wait_for_prefetch)."""
+        if tail is None:
+            return
+        graph, layers = tail
+        self.copy_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.copy_stream):
+            graph.replay()
+        done = self.copy_stream.record_event()
+        for layer in layers:
+            self.prefetched[layer] = done
+
+    def reset_tail(self, tail) -> None:
+        if tail is not None:
+            tail[0].reset()
+
     # -- one layer -----------------------------------------------------------------------------------
     def decode(self, layer, q, k, v, out) -> None:
         meta = self.meta
@@ -157,7 +199,10 @@ class OasisPolicy(TieredPolicy):
             self.spill_full_tails(layer, tail_slots)
         if not dense:
             self.waiting.append((layer, draft_scores))
-            if layer in self.group_ends:
+            if layer in self.group_ends and self.deferring and layer >= self.tail_from:
+                self.deferred.append(self.waiting)
+                self.waiting = []
+            elif layer in self.group_ends:
                 self.predict_and_prefetch(self.rows_now)
         self.flush_counts(layer)
 
@@ -187,8 +232,8 @@ class OasisPolicy(TieredPolicy):
 
     def wait_for_prefetch(self, layer: int) -> None:
         done, self.prefetched[layer] = self.prefetched[layer], None
-        # in a capture, eager steps' copies are waited for before the replay (before_replay), and the
-        # graph's own copies are joined at its end
+        # in a capture, eager steps' copies and the last tail are waited for before the replay (before_replay),
+        # and the graph's own copies are joined at its end
         if done is None or torch.cuda.is_current_stream_capturing():
             return
         compute = torch.cuda.current_stream()

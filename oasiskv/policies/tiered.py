@@ -61,6 +61,9 @@ class TieredPolicy(SparsePolicy):
         self.staging_read: list[torch.cuda.Event | None] = [None, None]
         self.capture_refs: list[torch.Tensor] = []  # read by the copy stream in a capture: kept till its end
         self.layer_range = torch.arange(pool.kv.shape[0], dtype=torch.int32, device=device)
+        # the step number that placements on the copy stream (lane 1) stamp as last use, written on that stream:
+        # its work of the last step (which may still run) reads the last step's, as it must
+        self.copy_step = torch.zeros((), dtype=torch.int64, device=device) if self.cuda else self.step_tensor
 
     # -- counters (on the device; read only by stats and at release) ------------------------------
     def count(self, name: str, per_row: torch.Tensor, lane: int = 0) -> None:
@@ -119,6 +122,9 @@ class TieredPolicy(SparsePolicy):
     # -- the step -----------------------------------------------------------------------------------
     def begin_step(self, meta) -> None:
         super().begin_step(meta)
+        if self.cuda:
+            with torch.cuda.stream(self.copy_stream):
+                self.copy_step.fill_(self.step_index)
         if meta.num_decode:
             self.wait_for_host_writes()
         # what earlier steps wrote to the host store and the current stream has not waited for yet: the
@@ -128,7 +134,7 @@ class TieredPolicy(SparsePolicy):
         self.rows = torch.tensor([self.ws.row(r) for r in ids], dtype=torch.long).to(self.pool.kv.device)
         # host tables one column wider: room for the block a draft token opens (scored, never fetched)
         tables = meta.decode_block_tables
-        self.host_tables = torch.cat([tables, tables.new_zeros(len(tables), 1)], dim=1)
+        self.host_tables = torch.nn.functional.pad(tables, (0, 1))  # one launch
         self.tails_resident = False  # retrieval re-checks every step; oasis knows when they are
 
     def attend(self, layer, q, k, v):
@@ -247,8 +253,8 @@ class TieredPolicy(SparsePolicy):
         `rows` and their `host_tables`) a long tensor of each row's layer."""
         rows = self.rows if rows is None else rows
         host_tables = self.host_tables if host_tables is None else host_tables
-        miss, slots, src, dst = self.ws.place_with_copies(layer, rows, wanted, protect, self.step_tensor,
-                                                          host_tables, only)
+        step = self.copy_step if lane else self.step_tensor
+        miss, slots, src, dst = self.ws.place_with_copies(layer, rows, wanted, protect, step, host_tables, only)
         if isinstance(layer, torch.Tensor):
             layers = layer[:, None].expand_as(dst).to(torch.int32).reshape(-1)
         else:
