@@ -87,7 +87,7 @@ class CacheConfig:
 
 
 KV_MODES = ("dense", "quest", "retrieval", "oasis", "oracle")  # oracle: eval only
-DRAFTS = ("ngram", "repeat", "eagle3", "ngram+eagle3")
+DRAFTS = ("ngram", "repeat", "eagle3", "ngram+eagle3", "target")
 HEAD_DRAFTS = ("eagle3", "ngram+eagle3")  # drafts that run an EAGLE-3 head (--draft-model, captured hidden states)
 MISS_POLICIES = ("skip", "fetch")
 
@@ -108,7 +108,7 @@ class KVConfig:
     working_set: int | None = None
     # oasis mode: a draft token runs beside each decode token; its selection is prefetched for the next step
     fetch_cap: float = 0.05  # at most fetch_cap x budget tokens prefetched per request per layer per step
-    draft: str = "ngram"  # ngram | repeat | eagle3 | ngram+eagle3 (the last two: a head, draft_model)
+    draft: str = "ngram"  # ngram | repeat | eagle3 | ngram+eagle3 (these two: a head, draft_model) | target
     draft_model: str | None = None  # EAGLE-3 head directory
     miss_policy: str = "skip"  # a selected block not resident: skip it, or fetch it synchronously
 

@@ -1,6 +1,7 @@
 """Host time of the per-step pieces the seventh session rewrote, against the forms they replaced, on this
 machine's CPU: block tables (one torch.tensor per request vs block_table_tensor), the draft's context
-(a prompt + output copy per request vs a TokenView) and the n-gram tables of a new prompt.
+(a prompt + output copy per request vs a TokenView), the n-gram tables of a new prompt and the n-gram lookups
+of a decode step.
 
     PYTHONPATH=. python scripts/host_step_bench.py [--requests 16] [--context 16384]
         [--ngram-before FILE]   # e.g. the module before: git show bd9c976^:oasiskv/lookahead/ngram.py > FILE
@@ -55,6 +56,21 @@ def main() -> None:
     for name, cls in drafts:
         took = ms(lambda: cls().lookup("r", prompt), 3)
         print(f"  once per request: n-gram tables of its prompt, {name}: {took:.1f} ms")
+    for name, cls in drafts:
+        print(f"  every decode step: n-gram lookups of {b} requests, one new token each, {name}: "
+              f"{decode_lookups_ms(cls(), b, prompt, rng):.3f} ms")
+
+
+def decode_lookups_ms(draft, requests: int, prompt: list[int], rng: random.Random, steps: int = 300) -> float:
+    outputs = [[rng.randrange(151936)] for _ in range(requests)]
+    for i, out in enumerate(outputs):  # the prompt's tables, outside the timing
+        draft.lookup(str(i), TokenView(prompt, out))
+    t = time.perf_counter()
+    for _ in range(steps):
+        for i, out in enumerate(outputs):
+            out.append(rng.randrange(151936))
+            draft.lookup(str(i), TokenView(prompt, out))
+    return (time.perf_counter() - t) / steps * 1000
 
 
 if __name__ == "__main__":

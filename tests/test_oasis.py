@@ -66,7 +66,7 @@ def dense_tokens():
     return run(LLM(show_progress=False, kv_mode="dense", kv_cache_gb=0.2))
 
 
-@pytest.mark.parametrize("draft", ["repeat", "ngram", "eagle3"])  # eagle3: the head shipped for SmolLM2
+@pytest.mark.parametrize("draft", ["repeat", "ngram", "eagle3", "target"])  # eagle3: the head shipped for SmolLM2
 def test_outputs_come_from_the_target_and_budget_above_context_is_dense(draft, dense_tokens):
     if draft == "ngram":  # the draft never matters when everything is attended: one source suffices
         roomy = LLM(show_progress=False, kv_mode="oasis", draft=draft, kv_budget=2048, kv_cache_gb=0.2, host_kv_gb=0.5)
@@ -102,6 +102,33 @@ def test_shipped_eagle3_head_guesses_the_next_token():
     judged = [(tokens[rid][pos] == tok) for rid, pos, tok in guesses if pos < len(tokens[rid])]
     acceptance = sum(judged) / len(judged)
     assert len(judged) > 60 and acceptance > 0.3, acceptance  # trained: 0.46 top-1 on held-out chats
+
+
+def test_target_draft_after_a_draft_that_came_true_is_the_next_token(dense_tokens):
+    """--draft target: where the draft that ran beside a step was the token sampled, the next draft is the target's
+    argmax on that draft's row. With the budget above the context that row attends exactly what the next step's
+    token attends, so the guess must be the token sampled next (greedy); elsewhere prompt lookup proposes."""
+    llm = LLM(show_progress=False, kv_mode="oasis", draft="target", kv_budget=2048, kv_cache_gb=0.2, host_kv_gb=0.5)
+    engine, proposals = llm.engine, []
+    propose = engine.drafter.propose
+
+    def recording(chunks, captured):
+        out = propose(chunks, captured)
+        proposals.extend((c.request_id, len(c.context), c.ran_draft == c.context[-1], c.target_guess, out[c.request_id])
+                         for c in chunks if c.sampled)
+        return out
+
+    engine.drafter.propose = recording
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    tokens = {o.request_id: o.prompt_token_ids + o.outputs[0].token_ids for o in outs}
+    assert [o.outputs[0].token_ids for o in outs] == dense_tokens  # drafts never change the output
+    guessed = [(rid, pos, draft) for rid, pos, came_true, guess, draft in proposals
+               if came_true and pos < len(tokens[rid])]
+    assert len(guessed) > 40
+    assert all(draft == guess for _, _, came_true, guess, draft in proposals if came_true)
+    assert [tokens[rid][pos] for rid, pos, _ in guessed] == [draft for *_, draft in guessed]
+    stats = engine.stats_dict()
+    assert stats["draft_accuracy"] > 0.8, stats["draft_accuracy"]  # prompt lookup alone: about 0.4 on these prompts
 
 
 def tiny_engine(tmp_path, mode: str = "oasis", **kv) -> LLMEngine:
@@ -222,3 +249,38 @@ def test_prefill_first_schedule_gives_the_tokens_of_the_mixed_schedule(tmp_path,
     assert mixed_steps == {"mixed": 3, "prefill-first": 0}
     assert outputs["mixed"] == outputs["prefill-first"]
     assert sorted(outputs["mixed"]) == ["0", "1", "2", "3"] and all(len(t) == 20 for t in outputs["mixed"].values())
+
+
+def test_prediction_deferred_after_the_step_changes_nothing(tmp_path):
+    """A captured step leaves its last groups' prediction to a tail graph, queued right after the step's forward
+    pass and before the sampling and releases. Run the same way eagerly (every group deferred, predicted once the
+    forward pass has returned), oasis gives the tokens, counters and working sets of predicting in the step."""
+    runs = []
+    for deferred in (False, True):
+        engine = tiny_engine(tmp_path, fetch_cap=0.25, draft="ngram")
+        policy, execute, deferred_groups = engine.policy, engine.runner.execute, []
+        assert policy.tail_from == 0  # 3 layers: every group is in the tail
+
+        def forward_then_tail(plan, execute=execute):
+            policy.deferring = deferred
+            result = execute(plan)
+            policy.deferring = False
+            groups, policy.deferred = policy.deferred, []
+            deferred_groups.extend(groups)
+            policy.predict_deferred(groups)
+            return result
+
+        engine.runner.execute = forward_then_tail
+        gen = torch.Generator().manual_seed(2)
+        for i in range(3):
+            engine.add_request(torch.randint(0, 256, (120 + 50 * i,), generator=gen).tolist(),
+                               SP(temperature=0.8, seed=i, max_tokens=60, ignore_eos=True), request_id=str(i))
+        while engine.has_unfinished():
+            engine.step()
+        assert (len(deferred_groups) > 100) == deferred
+        stats = {k: v for k, v in engine.stats_dict().items() if k.startswith("kv_") and "time" not in k}
+        runs.append(({rid: r.output_token_ids for rid, r in engine.requests.items()}, stats,
+                     policy.ws.block_of.clone(), policy.predicted.clone()))
+    (tokens, stats, blocks, predicted), (tokens_d, stats_d, blocks_d, predicted_d) = runs
+    assert tokens == tokens_d and stats == stats_d and stats["kv_prefetched_blocks"] > 50
+    assert torch.equal(blocks, blocks_d) and torch.equal(predicted, predicted_d)

@@ -45,6 +45,9 @@ def start_tensor_parallel(config: EngineConfig, device_type: str) -> TensorParal
     if config.kv.draft in HEAD_DRAFTS and config.kv.mode == "oasis":
         raise ValueError(f"--draft {config.kv.draft} is not supported with --tensor-parallel-size > 1 (its EAGLE-3 "
                          "head reads the full embedding); use --draft ngram or repeat")
+    if config.kv.draft == "target" and config.kv.mode == "oasis":
+        raise ValueError("--draft target is not supported with --tensor-parallel-size > 1 (the draft rows' logits "
+                         "would need every rank's share of the output head); use --draft ngram or repeat")
     rendezvous = tempfile.mkdtemp(prefix="oasiskv-tp-")
     init_file = os.path.join(rendezvous, "init")
     ctx = mp.get_context("spawn")

@@ -33,6 +33,7 @@ class CapturedStep:
     step_tensors: dict[str, torch.Tensor]  # the policy's STEP_TENSORS as captured
     logits: torch.Tensor  # [num_decode, vocab] fp32, rewritten by each replay
     captured: list[torch.Tensor]  # hidden states of the capture layers, rewritten by each replay
+    guesses: torch.Tensor | None = None  # the target's argmax on the draft rows, when asked for
     tail: object = None  # the policy's capture_tail(): work replayed after the step, not waited for
 
     def load(self, ids, positions, meta: AttentionMetadata, policy: KVPolicy) -> None:
@@ -61,14 +62,15 @@ class DecodeGraphs:
         self.graphs.clear()
         self.seen.clear()
 
-    def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-            capture_layers: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
-        """Runs the step's forward pass from a graph: (logits of the decode rows, captured states), or
-        None when it must run eagerly. The policy's begin_step(meta) has run."""
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, capture_layers: tuple[int, ...],
+            guesses: bool = False) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None] | None:
+        """Runs the step's forward pass from a graph: (logits of the decode rows, captured states, with `guesses`
+        the argmax of the draft rows' logits), or None when it must run eagerly. The policy's begin_step(meta)
+        has run."""
         policy_key = self.policy.graph_key()
         if policy_key is None:
             return None
-        key = (len(ids), meta.num_decode, tuple(meta.decode_block_tables.shape), capture_layers) + policy_key
+        key = (len(ids), meta.num_decode, tuple(meta.decode_block_tables.shape), capture_layers, guesses) + policy_key
         step = self.graphs.get(key)
         if step is None and key not in self.seen:
             self.seen.add(key)
@@ -77,26 +79,28 @@ class DecodeGraphs:
         # that load rewrites
         self.policy.before_replay()
         if step is None:
-            step = self.capture(key, ids, positions, meta, capture_layers)
+            step = self.capture(key, ids, positions, meta, capture_layers, guesses)
         else:
             self.graphs.move_to_end(key)
             step.load(ids, positions, meta, self.policy)
         step.graph.replay()
         self.policy.replay_tail(step.tail)
         self.counts["cuda_graph_replays"] += 1
-        return step.logits, step.captured
+        return step.logits, step.captured, step.guesses
 
-    def capture(self, key, ids, positions, meta, capture_layers) -> CapturedStep:
+    def capture(self, key, ids, positions, meta, capture_layers, guesses: bool = False) -> CapturedStep:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             self.policy.begin_capture()
             hidden, captured = self.model(ids, positions, self.policy, capture_layers)
             logits = self.model.logits(hidden[: meta.num_decode])
+            drafted = self.model.logits(hidden[len(ids) - meta.num_draft:]).argmax(-1) \
+                if guesses and meta.num_draft else None
             self.policy.end_capture()
         tail = self.policy.capture_tail(self.pool)
         inputs = {"ids": ids, "positions": positions, **{name: getattr(meta, name) for name in META_TENSORS}}
         step_tensors = {name: getattr(self.policy, name) for name in self.policy.STEP_TENSORS}
-        step = CapturedStep(graph, inputs, step_tensors, logits, captured, tail)
+        step = CapturedStep(graph, inputs, step_tensors, logits, captured, drafted, tail)
         self.graphs[key] = step
         if len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)

@@ -102,6 +102,7 @@ class LLMEngine:
         if self.policy.wants_drafts:
             self.drafter = build_draft_source(config.kv, self.model, self.device, self.dtype, config.model)
             self.runner.capture_layers = self.drafter.capture_layers
+            self.runner.guess_after_drafts = self.drafter.wants_target_guess
         self.sampler = Sampler(self.device, config.seed)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
@@ -222,12 +223,16 @@ class LLMEngine:
     def propose_drafts(self, result) -> None:
         """The draft source sees what the step computed and guesses the token after each new one."""
         chunks, row = [], 0
-        for c in result.chunks:
+        guesses = result.draft_guesses.tolist() if result.draft_guesses is not None else []
+        for i, c in enumerate(result.chunks):
             req, n = self.requests[c.request_id], len(c.token_ids)
             if not req.finished:
                 context = req.tokens if c.sample else []
+                drafted = i < len(guesses)  # a draft row ran beside this chunk: its token, and the target's guess
+                ran = (c.token_ids[0] if c.draft_token_id is None else c.draft_token_id) if drafted else None
                 chunks.append(DraftChunk(c.request_id, c.start, c.token_ids,
-                                         req.token_slice(c.start + 1, c.start + n + 1), row, c.sample, context))
+                                         req.token_slice(c.start + 1, c.start + n + 1), row, c.sample, context,
+                                         ran, guesses[i] if drafted else None))
             row += n
         for rid, token in self.drafter.propose(chunks, result.captured).items():
             self.requests[rid].draft_token_id = token

@@ -19,6 +19,8 @@ class StepResult:
     logits: torch.Tensor  # [len(request_ids), vocab] fp32
     captured: list[torch.Tensor]  # hidden states of the capture layers, [T, H] each (real tokens only)
     chunks: list[ScheduledChunk]  # the step's chunks in flat-batch order (decodes first)
+    draft_guesses: torch.Tensor | None = None  # int64 [num_draft]: the target's argmax on each draft row (its
+    #                                            choice after the draft; row i: chunks[i]), when asked for
 
 
 class ModelRunner:
@@ -28,6 +30,7 @@ class ModelRunner:
         self.model, self.policy, self.block_size, self.device = model, policy, block_size, device
         self.graphs, self.max_blocks = graphs, max_blocks
         self.capture_layers: tuple[int, ...] = ()
+        self.guess_after_drafts = False  # also the target's argmax on the draft rows (--draft target)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> StepResult:
@@ -35,11 +38,12 @@ class ModelRunner:
         graphable = self.graphs is not None and all(len(c.token_ids) == 1 and c.sample for c in chunks)
         ids, positions, meta = self.prepare(chunks, self.max_blocks if graphable else 0)
         self.policy.begin_step(meta)
-        replayed = self.graphs.run(ids, positions, meta, self.capture_layers) if graphable else None
+        replayed = self.graphs.run(ids, positions, meta, self.capture_layers, self.guess_after_drafts) \
+            if graphable else None
         real = len(ids) - meta.num_draft
         if replayed is not None:
-            logits, captured = replayed
-            return StepResult([c.request_id for c in chunks], logits, [c[:real] for c in captured], chunks)
+            logits, captured, guesses = replayed
+            return StepResult([c.request_id for c in chunks], logits, [c[:real] for c in captured], chunks, guesses)
         hidden, captured = self.model(ids, positions, self.policy, self.capture_layers)
         captured = [c[:real] for c in captured]
         ends, sampling = [], []
@@ -51,7 +55,8 @@ class ModelRunner:
                 sampling.append(c.request_id)
         rows = torch.tensor(ends, device=self.device, dtype=torch.long)
         logits = self.model.logits(hidden[rows]) if ends else hidden.new_zeros(0, 0, dtype=torch.float32)
-        return StepResult(sampling, logits, captured, chunks)
+        guesses = self.model.logits(hidden[real:]).argmax(-1) if self.guess_after_drafts and meta.num_draft else None
+        return StepResult(sampling, logits, captured, chunks, guesses)
 
     def prepare(self, chunks: list[ScheduledChunk], table_width: int = 0
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

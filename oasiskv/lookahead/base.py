@@ -23,6 +23,9 @@ class DraftChunk:
     sampled: bool  # the chunk sampled a token: propose a draft for the next step
     context: Sequence[int]  # sampled chunks: every token of the request so far, the new one included (a view
     #                         that is not copied: read what you need); else []
+    ran_draft: int | None = None  # the draft token that ran beside this chunk (decode chunks), else None
+    target_guess: int | None = None  # with wants_target_guess: the target's argmax on that draft's row, i.e. its
+    #                                  choice for the token after the draft, had the draft been the sampled token
 
 
 class DraftSource:
@@ -32,6 +35,8 @@ class DraftSource:
     # layers whose output hidden states (residual stream, before the final norm) the runner captures
     # for this source, as output-of-layer ids: id i is the input of layer i + 1 (HF hidden_states[i + 1])
     capture_layers: tuple[int, ...] = ()
+    # True: the runner computes the target's logits on the draft rows too and passes their argmax (target_guess)
+    wants_target_guess = False
 
     def propose(self, chunks: list[DraftChunk], captured: list[torch.Tensor]) -> dict[str, int]:
         """Draft token for every chunk with sampled=True, keyed by request id. `captured` holds one

@@ -9,6 +9,7 @@ import torch
 from oasiskv.config import HEAD_DRAFTS, KVConfig
 from oasiskv.lookahead.base import DraftSource
 from oasiskv.lookahead.ngram import NgramDraft, RepeatDraft
+from oasiskv.lookahead.target import TargetDraft
 from oasiskv.models.loader import DEFAULT_GGUF
 
 
@@ -22,6 +23,8 @@ def build_draft_source(kv: KVConfig, target: torch.nn.Module, device: torch.devi
         return NgramDraft()
     if kv.draft == "repeat":
         return RepeatDraft()
+    if kv.draft == "target":
+        return TargetDraft()
     if kv.draft in HEAD_DRAFTS:
         from oasiskv.lookahead.eagle3 import Eagle3Draft
         from oasiskv.lookahead.hybrid import NgramEagle3Draft

@@ -11,7 +11,9 @@ last num_draft rows of the batch). Per layer (see shared/DESIGN.md, "A decode st
      scores come from the same launch as x_t's, which reads the layer's summaries once). Its
      non-resident blocks, highest score first and at most `fetch_cap x budget` tokens of them, are
      gathered from the host store, evicting blocks outside the prediction. This runs for groups of
-     PREDICT_GROUP layers at once; on the GPU on the copy stream, beside the next layers' compute.
+     PREDICT_GROUP layers at once; on the GPU on the copy stream, beside the next layers' compute. In a
+     replayed step the groups of the last TAIL_LAYERS layers are a second graph (capture_tail), replayed
+     after the step's on the copy stream: beside the sampling and the host's work, not waited for.
 
 The working-set row holds budget + 1 blocks: a full selection plus the block a draft token opens.
 On the CPU the same steps run synchronously."""
@@ -82,8 +84,9 @@ class OasisPolicy(TieredPolicy):
     # SMs: a few programs keep the link busy and leave the other SMs to the compute stream.
     PREFETCH_PROGRAMS = 16
     # in a captured step, the prediction of the groups that end in the last TAIL_LAYERS layers runs after the
-    # step (capture_tail), so the step's graph need not wait for their copies (0: none deferred)
-    TAIL_LAYERS = PREDICT_GROUP
+    # step (capture_tail), so the step's graph need not wait for their copies (0: none deferred). H200, qwen3-8b
+    # 16K: 12 layers beat 6 at b16 and b43 (docs/BENCHMARKS.md, twelfth session)
+    TAIL_LAYERS = 2 * PREDICT_GROUP
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
@@ -135,8 +138,9 @@ class OasisPolicy(TieredPolicy):
 
     def prediction_group_ends(self, layers: int) -> frozenset[int]:
         """The layers after which the waiting group is predicted: every PREDICT_GROUP sparse layers,
-        and the last layer on its own, so that the prediction left after the last layer (the step
-        ends only when its copies do) is one layer's, beside the final norm and the logits."""
+        and the last layer on its own, so that in an eager step the prediction left after the last layer
+        is one layer's, beside the final norm and the logits (a captured step defers the last groups to its
+        tail graph instead: capture_tail)."""
         first = self.cfg.dense_layers
         ends = {layer for layer in range(first, layers) if (layer - first + 1) % self.PREDICT_GROUP == 0}
         return frozenset(e for e in ends | {layers - 2, layers - 1} if e >= first)
@@ -159,11 +163,15 @@ class OasisPolicy(TieredPolicy):
             return None
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, stream=self.copy_stream):
-            for group in groups:
-                self.waiting = group
-                self.predict_and_prefetch(self.rows_now)
+            self.predict_deferred(groups)
         self.capture_refs.clear()  # the tail's streams have joined: what it read may be reused
         return graph, [layer for group in groups for layer, _ in group]
+
+    def predict_deferred(self, groups: list[list[tuple[int, torch.Tensor]]]) -> None:
+        """The prediction of groups whose layers were computed, but not predicted from, this step."""
+        for group in groups:
+            self.waiting = group
+            self.predict_and_prefetch(self.rows_now)
 
     def replay_tail(self, tail) -> None:
         """The next replay waits for it (before_replay); an eager step, per layer (wait_for_prefetch)."""
