@@ -9,9 +9,10 @@ TORCH  := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.11" ||
 TEST_WORKERS ?= 2
 DEMO_PROMPT ?= Who is Mr. Bingley, and what does Mrs. Bennet hope for? Answer in two sentences.
 DEMO_TEXT   ?= oasiskv/evals/sample_pride_and_prejudice.txt
-# oasis mode on a ~2K-token passage: a 512-token budget makes attention sparse, the n-gram draft
-# predicts the next step's blocks and up to 0.1 x 512 tokens per layer are prefetched each step
-DEMO_FLAGS  ?= --kv-mode oasis --kv-budget 512 --fetch-cap 0.1 --draft ngram
+# oasis mode on a ~2K-token passage: a 512-token budget makes attention sparse, the target's own draft
+# (its argmax on the last draft row when that draft came true, else prompt lookup) predicts the next
+# step's blocks and up to 0.1 x 512 tokens per layer are prefetched each step
+DEMO_FLAGS  ?= --kv-mode oasis --kv-budget 512 --fetch-cap 0.1 --draft target
 
 .PHONY: demo test install clean
 
