@@ -55,8 +55,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--draft", default=KV_DEFAULTS.draft, choices=DRAFTS,
                    help="where the lookahead token comes from: ngram (prompt lookup), repeat, eagle3 (an EAGLE-3 head: "
                         "--draft-model, shipped for the default model), ngram+eagle3 (prompt lookup when a "
-                        "suffix of 2+ tokens occurred before, else the EAGLE-3 head) or target (where the last draft "
-                        "came true, the target's own argmax on its row; else prompt lookup)")
+                        "suffix of 2+ tokens occurred before, else the EAGLE-3 head), target (where the last draft "
+                        "came true, the target's own argmax on its row; else prompt lookup) or target+eagle3 (the "
+                        "same, else the EAGLE-3 head)")
     o.add_argument("--draft-model", default=KV_DEFAULTS.draft_model,
                    help="EAGLE-3 head directory (eagle3, ngram+eagle3)")
     o.add_argument("--miss-policy", default=KV_DEFAULTS.miss_policy, choices=MISS_POLICIES,

@@ -87,8 +87,8 @@ class CacheConfig:
 
 
 KV_MODES = ("dense", "quest", "retrieval", "oasis", "oracle")  # oracle: eval only
-DRAFTS = ("ngram", "repeat", "eagle3", "ngram+eagle3", "target")
-HEAD_DRAFTS = ("eagle3", "ngram+eagle3")  # drafts that run an EAGLE-3 head (--draft-model, captured hidden states)
+DRAFTS = ("ngram", "repeat", "eagle3", "ngram+eagle3", "target", "target+eagle3")
+HEAD_DRAFTS = ("eagle3", "ngram+eagle3", "target+eagle3")  # drafts that run an EAGLE-3 head (--draft-model, captured hidden states)
 MISS_POLICIES = ("skip", "fetch")
 
 
@@ -108,7 +108,7 @@ class KVConfig:
     working_set: int | None = None
     # oasis mode: a draft token runs beside each decode token; its selection is prefetched for the next step
     fetch_cap: float = 0.05  # at most fetch_cap x budget tokens prefetched per request per layer per step
-    draft: str = "ngram"  # ngram | repeat | eagle3 | ngram+eagle3 (these two: a head, draft_model) | target
+    draft: str = "ngram"  # ngram | repeat | target | eagle3 | ngram+eagle3 | target+eagle3 (the last three: a head)
     draft_model: str | None = None  # EAGLE-3 head directory
     miss_policy: str = "skip"  # a selected block not resident: skip it, or fetch it synchronously
 

@@ -66,7 +66,7 @@ def dense_tokens():
     return run(LLM(show_progress=False, kv_mode="dense", kv_cache_gb=0.2))
 
 
-@pytest.mark.parametrize("draft", ["repeat", "ngram", "eagle3", "target"])  # eagle3: the head shipped for SmolLM2
+@pytest.mark.parametrize("draft", ["repeat", "ngram", "eagle3", "target", "target+eagle3"])  # eagle3: shipped head
 def test_outputs_come_from_the_target_and_budget_above_context_is_dense(draft, dense_tokens):
     if draft == "ngram":  # the draft never matters when everything is attended: one source suffices
         roomy = LLM(show_progress=False, kv_mode="oasis", draft=draft, kv_budget=2048, kv_cache_gb=0.2, host_kv_gb=0.5)

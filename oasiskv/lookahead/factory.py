@@ -30,6 +30,8 @@ def build_draft_source(kv: KVConfig, target: torch.nn.Module, device: torch.devi
         from oasiskv.lookahead.hybrid import NgramEagle3Draft
 
         head = Eagle3Draft.from_dir(kv.draft_model or shipped_head(model, kv.draft), target, device, dtype)
+        if kv.draft == "target+eagle3":
+            return TargetDraft(fallback=head)
         return head if kv.draft == "eagle3" else NgramEagle3Draft(head)
     raise ValueError(f"unknown draft source {kv.draft!r}")
 
