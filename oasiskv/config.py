@@ -159,7 +159,8 @@ class KVConfig:
         if self.draft not in DRAFTS:
             raise ValueError(f"--draft must be one of {', '.join(DRAFTS)}, got {self.draft!r}")
         if self.draft_model is not None and self.draft not in HEAD_DRAFTS:
-            raise ValueError(f"--draft-model needs --draft {' or '.join(HEAD_DRAFTS)}, got --draft {self.draft}")
+            heads = ", ".join(HEAD_DRAFTS[:-1]) + f" or {HEAD_DRAFTS[-1]}"
+            raise ValueError(f"--draft-model needs --draft {heads}, got --draft {self.draft}")
         if self.miss_policy not in MISS_POLICIES:
             raise ValueError(f"--miss-policy must be one of {', '.join(MISS_POLICIES)}, got {self.miss_policy!r}")
 

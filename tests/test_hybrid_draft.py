@@ -127,7 +127,8 @@ def test_cli_takes_the_hybrid_with_a_head():
     kv = engine_config(args).kv
     assert (kv.draft, kv.draft_model) == ("ngram+eagle3", "/some/head")
     kv.validate(16, 30)
-    with pytest.raises(ValueError, match=r"--draft-model needs --draft eagle3 or ngram\+eagle3, got --draft repeat"):
+    with pytest.raises(ValueError, match=r"--draft-model needs --draft eagle3, ngram\+eagle3 or target\+eagle3, "
+                                         r"got --draft repeat"):
         KVConfig(mode="oasis", draft="repeat", draft_model="/some/head").validate(16, 30)
 
 
