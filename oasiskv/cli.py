@@ -59,7 +59,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "came true, the target's own argmax on its row; else prompt lookup) or target+eagle3 (the "
                         "same, else the EAGLE-3 head)")
     o.add_argument("--draft-model", default=KV_DEFAULTS.draft_model,
-                   help="EAGLE-3 head directory (eagle3, ngram+eagle3)")
+                   help="EAGLE-3 head directory (eagle3, ngram+eagle3, target+eagle3)")
     o.add_argument("--miss-policy", default=KV_DEFAULTS.miss_policy, choices=MISS_POLICIES,
                    help="selected blocks that were not prefetched: skip them, or fetch them synchronously")
     o.add_argument("--speculative-config", default=None,

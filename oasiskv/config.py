@@ -88,7 +88,8 @@ class CacheConfig:
 
 KV_MODES = ("dense", "quest", "retrieval", "oasis", "oracle")  # oracle: eval only
 DRAFTS = ("ngram", "repeat", "eagle3", "ngram+eagle3", "target", "target+eagle3")
-HEAD_DRAFTS = ("eagle3", "ngram+eagle3", "target+eagle3")  # drafts that run an EAGLE-3 head (--draft-model, captured hidden states)
+# drafts that run an EAGLE-3 head (--draft-model, captured hidden states)
+HEAD_DRAFTS = ("eagle3", "ngram+eagle3", "target+eagle3")
 MISS_POLICIES = ("skip", "fetch")
 
 

@@ -93,9 +93,10 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             self.policy.begin_capture()
             hidden, captured = self.model(ids, positions, self.policy, capture_layers)
-            logits = self.model.logits(hidden[: meta.num_decode])
-            drafted = self.model.logits(hidden[len(ids) - meta.num_draft:]).argmax(-1) \
-                if guesses and meta.num_draft else None
+            # the draft rows follow the decode rows: one pass of the output head reads its weights once for both
+            out = self.model.logits(hidden[: len(ids) if guesses else meta.num_decode])
+            logits = out[: meta.num_decode]
+            drafted = out[meta.num_decode:].argmax(-1) if guesses and meta.num_draft else None
             self.policy.end_capture()
         tail = self.policy.capture_tail(self.pool)
         inputs = {"ids": ids, "positions": positions, **{name: getattr(meta, name) for name in META_TENSORS}}

@@ -53,10 +53,13 @@ class ModelRunner:
             if c.sample:
                 ends.append(offset - 1)
                 sampling.append(c.request_id)
-        rows = torch.tensor(ends, device=self.device, dtype=torch.long)
-        logits = self.model.logits(hidden[rows]) if ends else hidden.new_zeros(0, 0, dtype=torch.float32)
-        guesses = self.model.logits(hidden[real:]).argmax(-1) if self.guess_after_drafts and meta.num_draft else None
-        return StepResult(sampling, logits, captured, chunks, guesses)
+        guessed = list(range(real, len(ids))) if self.guess_after_drafts else []  # the draft rows
+        if not ends + guessed:
+            return StepResult(sampling, hidden.new_zeros(0, 0, dtype=torch.float32), captured, chunks)
+        # one pass of the output head over the sampled rows and the draft rows: its weights are read once
+        out = self.model.logits(hidden[torch.tensor(ends + guessed, device=self.device, dtype=torch.long)])
+        guesses = out[len(ends):].argmax(-1) if guessed else None
+        return StepResult(sampling, out[:len(ends)], captured, chunks, guesses)
 
     def prepare(self, chunks: list[ScheduledChunk], table_width: int = 0
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

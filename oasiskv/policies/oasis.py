@@ -106,6 +106,9 @@ class OasisPolicy(TieredPolicy):
         self.tail_from = max(layers - self.TAIL_LAYERS, self.cfg.dense_layers) if self.TAIL_LAYERS else layers
         self.deferring = False
         self.deferred: list[list[tuple[int, torch.Tensor]]] = []
+        if self.cuda:  # the clock of the copy stream's placements, written on that stream (begin_step): its work
+            # of the last step, which may still run (a tail graph), then reads the last step's number, as it must
+            self.copy_step = torch.zeros((), dtype=torch.int64, device=self.pool.kv.device)
         names = {"selected": "selected_blocks"}  # kernels/residency.py's counters -> ours
         self.residency_counters = torch.tensor([self.counter_index[names.get(c, c)] for c in RESIDENCY_COUNTERS],
                                                device=self.pool.kv.device)
@@ -119,6 +122,9 @@ class OasisPolicy(TieredPolicy):
 
     def begin_step(self, meta) -> None:
         super().begin_step(meta)
+        if self.cuda:
+            with torch.cuda.stream(self.copy_stream):
+                self.copy_step.fill_(self.step_index)
         rows = [self.ws.row(r) for r in meta.decode_request_ids]
         step, dev = self.step_index, self.pool.kv.device
         cold = [r not in self.predicted_at for r in rows]

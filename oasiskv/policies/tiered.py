@@ -61,9 +61,9 @@ class TieredPolicy(SparsePolicy):
         self.staging_read: list[torch.cuda.Event | None] = [None, None]
         self.capture_refs: list[torch.Tensor] = []  # read by the copy stream in a capture: kept till its end
         self.layer_range = torch.arange(pool.kv.shape[0], dtype=torch.int32, device=device)
-        # the step number that placements on the copy stream (lane 1) stamp as last use, written on that stream:
-        # its work of the last step (which may still run) reads the last step's, as it must
-        self.copy_step = torch.zeros((), dtype=torch.int64, device=device) if self.cuda else self.step_tensor
+        # the step number that placements on the copy stream (lane 1) stamp as last use; a policy that places there
+        # (oasis) gives it its own tensor, written on that stream
+        self.copy_step = self.step_tensor
 
     # -- counters (on the device; read only by stats and at release) ------------------------------
     def count(self, name: str, per_row: torch.Tensor, lane: int = 0) -> None:
@@ -122,9 +122,6 @@ class TieredPolicy(SparsePolicy):
     # -- the step -----------------------------------------------------------------------------------
     def begin_step(self, meta) -> None:
         super().begin_step(meta)
-        if self.cuda:
-            with torch.cuda.stream(self.copy_stream):
-                self.copy_step.fill_(self.step_index)
         if meta.num_decode:
             self.wait_for_host_writes()
         # what earlier steps wrote to the host store and the current stream has not waited for yet: the
