@@ -89,7 +89,31 @@ def check(args) -> bool:
             line += "\n    eager " + str({k: eager_stats.get(k) for k in COUNTERS})
             line += "\n    graph " + str({k: graph_stats.get(k) for k in COUNTERS})
         print(line, flush=True)
+    for draft in filter(None, args.check_drafts.split(",")):
+        ok &= check_draft(args, prompts, draft)
     return ok
+
+
+def check_draft(args, prompts, draft: str) -> bool:
+    """Oasis with a real draft source at the default cap: graph and eager steps give the same tokens, counters
+    and drafts (for --draft target, the argmax of the draft rows that the captured step computes)."""
+    runs = {}
+    for eager in (True, False):
+        engine = engine_for(args, "oasis", eager, "float32", args.context, args.steps, draft=draft)
+        runs[eager] = generate(engine, prompts, args.steps)
+        del engine
+        torch.cuda.empty_cache()
+    (eager_tokens, eager_stats), (graph_tokens, graph_stats) = runs[True], runs[False]
+    keys = COUNTERS + ("draft_tokens", "draft_tokens_right")
+    same = graph_tokens == eager_tokens and all(eager_stats.get(k) == graph_stats.get(k) for k in keys)
+    line = (f"oasis, --draft {draft}: graph == eager tokens, counters and drafts: {same}  replays "
+            f"{graph_stats.get('cuda_graph_replays')}  draft accuracy {graph_stats.get('draft_accuracy')}  "
+            f"agreement {graph_stats.get('kv_agreement')}")
+    if not same:
+        line += "\n    eager " + str({k: eager_stats.get(k) for k in keys})
+        line += "\n    graph " + str({k: graph_stats.get(k) for k in keys})
+    print(line, flush=True)
+    return same
 
 
 def time_steps(args) -> list[dict]:
@@ -173,6 +197,8 @@ def main() -> None:
                    "opens a block in every step) and 1 aligns them (all drafts open together, once in 16 steps)")
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--check-modes", default="dense,quest,retrieval,oasis")
+    p.add_argument("--check-drafts", default="", help="oasis with these --draft sources too, graph against eager "
+                   "(e.g. target,ngram)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     ok = True if args.skip_check else check(args)

@@ -9,8 +9,10 @@ block in every step; stride 1 aligns them (all drafts open together, once in 16 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
+import pstats
 import statistics
 import time
 from collections import defaultdict
@@ -19,6 +21,7 @@ import torch
 
 from scripts.gpu_graph_check import engine_for, prompts_for
 from oasiskv.config import SamplingParams
+from oasiskv.engine.cuda_graph import CapturedStep
 from oasiskv.policies.oasis import OasisPolicy
 
 
@@ -28,10 +31,8 @@ class HostClock:
     def __init__(self):
         self.totals, self.stack = defaultdict(float), []
 
-    def wrap(self, obj, name: str, phase: str) -> None:
-        inner = getattr(obj, name)
-
-        def timed(*a, **kw):
+    def timed(self, inner, phase: str):
+        def run(*a, **kw):
             self.stack.append([time.perf_counter(), 0.0])
             try:
                 return inner(*a, **kw)
@@ -41,13 +42,24 @@ class HostClock:
                 self.totals[phase] += spent - nested
                 if self.stack:
                     self.stack[-1][1] += spent
-        setattr(obj, name, timed)
+        return run
+
+    def wrap(self, obj, name: str, phase: str) -> None:
+        setattr(obj, name, self.timed(getattr(obj, name), phase))
+
+    def wrap_class(self, cls, name: str, phase: str):
+        """Every instance's `name` as defined on `cls` (a method that calls super() is split by class).
+        Returns the original, to put back."""
+        inner = cls.__dict__[name]
+        setattr(cls, name, self.timed(inner, phase))
+        return inner
 
 
 def measure(args, mode: str, stride: int) -> dict:
     # prefill-first: request i starts decoding about i steps after request 0; none may finish during the timing
     tokens = args.batch + args.warmup + args.steps + 8
-    engine = engine_for(args, mode, False, "bfloat16", args.context + args.batch * stride, tokens)
+    kv = {"draft": args.draft} if mode == "oasis" and args.draft else {}
+    engine = engine_for(args, mode, False, "bfloat16", args.context + args.batch * stride, tokens, **kv)
     for prompt in prompts_for(args.batch, args.context, stride=stride):
         engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
     while any(len(r.output_token_ids) < 2 for r in engine.requests.values()):
@@ -77,23 +89,44 @@ def measure(args, mode: str, stride: int) -> dict:
                              (engine.sampler, "sample", "sample (waits for the GPU)"),
                              (engine, "propose_drafts", "propose_drafts")):
         clock.wrap(obj, name, phase)
+    policy, split = engine.policy, []
+    for cls in type(policy).__mro__:  # begin_step by class: which layer of the policy's hierarchy costs what
+        if "begin_step" in cls.__dict__ and cls is not type(policy):
+            split.append((cls, "begin_step", f"policy.begin_step ({cls.__name__})"))
+    split.append((CapturedStep, "load", "graphs.run: load inputs"))
+    originals = [(cls, name, clock.wrap_class(cls, name, phase)) for cls, name, phase in split]
+    for name in ("before_replay", "replay_tail", "graph_key"):
+        clock.wrap(policy, name, f"graphs.run: policy.{name}")
+    if engine.drafter is not None:
+        clock.wrap(engine.drafter, "propose", "propose_drafts: drafter.propose")
     torch.cuda.CUDAGraph.replay = replay
     before, captures = graphs.counts["cuda_graph_replays"], graphs.counts["cuda_graph_captures"]
     if args.gc_freeze:  # move every object alive now out of the collector's generations
         gc.collect()
         gc.freeze()
     step_ms = []
+    profiler = cProfile.Profile() if args.profile else None
     t0 = time.perf_counter()
     for _ in range(args.steps):
         t = time.perf_counter()
+        if profiler:
+            profiler.enable()
         engine.step()
+        if profiler:
+            profiler.disable()
         step_ms.append((time.perf_counter() - t) * 1000)
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) * 1000 / args.steps
+    for cls, name, original in originals:  # the classes' own methods back
+        setattr(cls, name, original)
+    if profiler:
+        with open(args.profile, "a") as f:
+            f.write(f"== {mode}, stride {stride}, {args.steps} steps (tottime per call in s)\n")
+            pstats.Stats(profiler, stream=f).sort_stats("tottime").print_stats(45)
     gc.unfreeze()
     torch.cuda.CUDAGraph.replay = real_replay
     device_ms = [s.elapsed_time(e) for s, e in replays]
-    row = {"mode": mode, "stride": stride, "prefetch_programs": OasisPolicy.PREFETCH_PROGRAMS,
+    row = {"mode": mode, "draft": kv.get("draft"), "profiled": bool(profiler), "stride": stride, "prefetch_programs": OasisPolicy.PREFETCH_PROGRAMS,
            "tail_layers": OasisPolicy.TAIL_LAYERS, "batch": args.batch, "wall_ms_per_step": round(wall, 3),
            "replays": graphs.counts["cuda_graph_replays"] - before,
            "captures": graphs.counts["cuda_graph_captures"] - captures, "gc_freeze": args.gc_freeze,
@@ -123,6 +156,9 @@ def main() -> None:
     p.add_argument("--gpu-gb", type=float, default=72)
     p.add_argument("--host-gb", type=float, default=64)
     p.add_argument("--gc-freeze", action="store_true", help="gc.freeze() before the timed steps")
+    p.add_argument("--draft", default=None, help="oasis's --draft (default: the config's)")
+    p.add_argument("--profile", default=None, help="also cProfile the timed steps, appending the top to this file "
+                   "(inflates the times)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.prefetch_programs is not None:

@@ -1,5 +1,5 @@
 """Host time of the per-step pieces the seventh session rewrote, against the forms they replaced, on this
-machine's CPU: block tables (one torch.tensor per request vs block_table_tensor), the draft's context
+machine's CPU: block tables (one torch.tensor per request vs block_table_array), the draft's context
 (a prompt + output copy per request vs a TokenView), the n-gram tables of a new prompt and the n-gram lookups
 of a decode step.
 
@@ -16,7 +16,7 @@ import time
 import torch
 
 from oasiskv.engine.request import TokenView
-from oasiskv.engine.runner import block_table_tensor
+from oasiskv.engine.runner import block_table_array
 from oasiskv.lookahead.ngram import NgramDraft
 
 
@@ -41,7 +41,7 @@ def main() -> None:
     print(f"{b} requests of {n} tokens, per step:")
     rows = [
         ("block tables, torch.tensor per request", lambda: [torch.tensor(t, dtype=torch.int32) for t in tables]),
-        ("block tables, block_table_tensor", lambda: block_table_tensor(tables)),
+        ("block tables, block_table_array", lambda: block_table_array(tables)),
         ("draft context, prompt + output copies", lambda: [prompt + o for o in outputs]),
         ("draft context, TokenView, last 4 read", lambda: [TokenView(prompt, o)[-4:] for o in outputs]),
     ]

@@ -1,24 +1,62 @@
-"""Host-side pieces of a decode step, against plain-Python references: the block table tensor, the
+"""Host-side pieces of a decode step, against plain-Python references: the block table array, the step upload, the
 request's token view, and prompt-lookup drafting (incremental tables against a brute-force search)."""
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from oasiskv.engine.request import TokenView
-from oasiskv.engine.runner import block_table_tensor
+from oasiskv.engine.runner import BlockTables, block_table_array
+from oasiskv.engine.scheduler import ScheduledChunk
+from oasiskv.engine.upload import StepUpload
 from oasiskv.lookahead.ngram import NgramDraft
 
 
 @pytest.mark.parametrize("lengths,width", [([3, 0, 7, 1], 0), ([5, 2], 9), ([], 4), ([0, 0], 0)])
-def test_block_table_tensor_pads_each_list(lengths, width):
+def test_block_table_array_pads_each_list(lengths, width):
     rng = random.Random(0)
     tables = [[rng.randrange(1 << 20) for _ in range(n)] for n in lengths]
-    got = block_table_tensor(tables, width)
+    got = block_table_array(tables, width)
     cols = max([width, 1] + lengths)
     want = [t + [0] * (cols - len(t)) for t in tables]
-    assert got.dtype == torch.int32 and got.shape == (len(tables), cols)
+    assert got.dtype == np.int32 and got.shape == (len(tables), cols)
     assert got.tolist() == want
+
+
+def test_block_tables_kept_between_steps_equal_a_fresh_conversion():
+    """Tables that grow, one restarted under a new epoch (a preemption), one without an epoch (rebuilt each
+    time), a request id reused by a new table, and requests that skip a step."""
+    rng = random.Random(1)
+    tables = BlockTables()
+    live = {f"r{i}": ([rng.randrange(1 << 20) for _ in range(rng.randrange(1, 9))], i) for i in range(5)}
+    epochs = iter(range(100, 10**6))
+    for step in range(60):
+        for rid, (table, epoch) in list(live.items()):
+            if rng.random() < 0.3:
+                table.append(rng.randrange(1 << 20))
+            if rng.random() < 0.05:  # preempted and readmitted, or finished and its id reused: a new table
+                live[rid] = ([rng.randrange(1 << 20) for _ in range(rng.randrange(1, 4))], next(epochs))
+        decoding = [rid for rid in live if rng.random() < 0.8]
+        chunks = [ScheduledChunk(rid, [1], 0, list(live[rid][0]), True,
+                                 table_epoch=None if rid == "r4" else live[rid][1]) for rid in decoding]
+        width = rng.choice([0, 40])
+        assert np.array_equal(tables.build(chunks, width), block_table_array([c.block_ids for c in chunks], width))
+
+
+def test_step_upload_returns_each_array_as_a_view_of_one_buffer():
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(-2**40, 2**40, 7), rng.integers(0, 9, (3, 5)).astype(np.int32), np.zeros((0, 4), np.int32),
+              rng.integers(0, 2, (2, 3)).astype(bool), np.arange(3, dtype=np.int32)[::2]]  # the last: not contiguous
+    upload = StepUpload(torch.device("cpu"))
+    for _ in range(3):  # buffers are reused in turn: each call's views keep their own values
+        packed, views = upload(arrays)
+        for a, t in zip(arrays, views):
+            assert t.shape == a.shape and t.numpy().dtype == a.dtype and np.array_equal(t.numpy(), a)
+            assert t.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()
+            assert t.data_ptr() % 16 == packed.data_ptr() % 16
+    with pytest.raises(TypeError, match="int64, int32 or bool"):
+        upload([np.zeros(3, np.float32)])
 
 
 def test_token_view_reads_like_the_concatenation():

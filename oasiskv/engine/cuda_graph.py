@@ -35,13 +35,26 @@ class CapturedStep:
     captured: list[torch.Tensor]  # hidden states of the capture layers, rewritten by each replay
     guesses: torch.Tensor | None = None  # the target's argmax on the draft rows, when asked for
     tail: object = None  # the policy's capture_tail(): work replayed after the step, not waited for
+    packed: torch.Tensor | None = None  # the buffer that `inputs` are views of (meta.packed), when they are
+    step_buffer: torch.Tensor | None = None  # the buffer that some step tensors are views of (policy.step_buffer)
+    in_step_buffer: frozenset[str] = frozenset()  # ... their names
 
     def load(self, ids, positions, meta: AttentionMetadata, policy: KVPolicy) -> None:
-        fresh = {"ids": ids, "positions": positions, **{name: getattr(meta, name) for name in META_TENSORS}}
-        for name, t in self.inputs.items():
-            t.copy_(fresh[name], non_blocking=True)
+        # one copy where both steps' inputs are views of one buffer: the same key gives the same layout
+        if self.packed is not None and meta.packed is not None and meta.packed.shape == self.packed.shape:
+            self.packed.copy_(meta.packed, non_blocking=True)
+        else:
+            fresh = {"ids": ids, "positions": positions, **{name: getattr(meta, name) for name in META_TENSORS}}
+            for name, t in self.inputs.items():
+                t.copy_(fresh[name], non_blocking=True)
+        fresh_buffer = getattr(policy, "step_buffer", None)
+        one_copy = self.step_buffer is not None and fresh_buffer is not None \
+            and fresh_buffer.shape == self.step_buffer.shape
+        if one_copy:
+            self.step_buffer.copy_(fresh_buffer, non_blocking=True)
         for name, t in self.step_tensors.items():
-            t.copy_(getattr(policy, name), non_blocking=True)
+            if not (one_copy and name in self.in_step_buffer):
+                t.copy_(getattr(policy, name), non_blocking=True)
 
 
 class DecodeGraphs:
@@ -101,9 +114,17 @@ class DecodeGraphs:
         tail = self.policy.capture_tail(self.pool)
         inputs = {"ids": ids, "positions": positions, **{name: getattr(meta, name) for name in META_TENSORS}}
         step_tensors = {name: getattr(self.policy, name) for name in self.policy.STEP_TENSORS}
-        step = CapturedStep(graph, inputs, step_tensors, logits, captured, drafted, tail)
+        packed = meta.packed if all(views_of(t, meta.packed) for t in inputs.values()) else None
+        step_buffer = getattr(self.policy, "step_buffer", None)
+        in_buffer = frozenset(n for n, t in step_tensors.items() if views_of(t, step_buffer))
+        step = CapturedStep(graph, inputs, step_tensors, logits, captured, drafted, tail, packed,
+                            step_buffer if in_buffer else None, in_buffer)
         self.graphs[key] = step
         if len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)
         self.counts["cuda_graph_captures"] += 1
         return step
+
+
+def views_of(t: torch.Tensor, buffer: torch.Tensor | None) -> bool:
+    return buffer is not None and t.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()

@@ -34,6 +34,8 @@ class Request:
     kv_stats: dict = field(default_factory=dict)  # the KV policy's counters for this request
     draft_token_id: int | None = None  # oasis mode: the draft source's guess of the token after the last one
     error: str | None = None  # why it ended badly (e.g. its remote KV was lost); reported to the client
+    table_list: list[int] | None = field(default=None, repr=False)  # the block_ids list that table_epoch names
+    table_epoch: int = -1
 
     @property
     def num_tokens(self) -> int:

@@ -11,6 +11,8 @@ recompute after preemption are the same operation with different chunk lengths.
 """
 from __future__ import annotations
 
+import itertools
+
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -27,6 +29,7 @@ class ScheduledChunk:
     block_ids: list[int]  # the request's block table, covering start + len(token_ids) tokens
     sample: bool  # the chunk ends at the last known token: sample the next one
     draft_token_id: int | None = None  # a guess of the token after this chunk (oasis lookahead); never emitted
+    table_epoch: int | None = None  # block_ids only grow while this stays the same (Scheduler.epoch_of); None: unknown
 
 
 @dataclass
@@ -46,6 +49,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.table_epochs = itertools.count()
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -141,7 +145,16 @@ class Scheduler:
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         start = req.num_computed_tokens
         return ScheduledChunk(req.request_id, req.token_slice(start, start + n), start, list(req.block_ids),
-                              sample=start + n == req.num_tokens, draft_token_id=req.draft_token_id)
+                              sample=start + n == req.num_tokens, draft_token_id=req.draft_token_id,
+                              table_epoch=self.epoch_of(req))
+
+    def epoch_of(self, req: Request) -> int:
+        """A number that stays the same while req's block table only grows. A table is only ever extended in
+        place (+=) and starts again as a new list (preemption; a decode instance's attach), so the list object
+        tells; it is kept referenced, so no later list can take its identity."""
+        if req.table_list is not req.block_ids:
+            req.table_list, req.table_epoch = req.block_ids, next(self.table_epochs)
+        return req.table_epoch
 
     def preempt(self, req: Request) -> None:
         """Recompute-style preemption: drop the KV, keep the tokens, go back to the head of the queue."""

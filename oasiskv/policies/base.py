@@ -35,6 +35,9 @@ class AttentionMetadata:
     decode_request_ids: list[str]
     num_draft: int = 0  # draft tokens at the end of the flat batch (num_decode of them, or none)
     decode_seq_lens_host: list[int] | None = None  # decode_seq_lens on the host, for decisions without a sync
+    # the device buffer that the step's ids, positions and the tensors above are views of (engine/upload.py), when
+    # the runner made them: a graph replay refreshes its captured inputs with one copy of it
+    packed: torch.Tensor | None = None
 
 
 def length_bucket(max_seq_len: int, step: int = 1024) -> int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from oasiskv.kernels.block_select import block_scores_multi, block_scores_multi_reference
@@ -125,12 +126,8 @@ class OasisPolicy(TieredPolicy):
         if self.cuda:
             with torch.cuda.stream(self.copy_stream):
                 self.copy_step.fill_(self.step_index)
-        rows = [self.ws.row(r) for r in meta.decode_request_ids]
-        step, dev = self.step_index, self.pool.kv.device
-        cold = [r not in self.predicted_at for r in rows]
-        fresh = [self.predicted_at.get(r) == step - 1 for r in rows]
-        self.cold, self.fresh = torch.tensor([cold, fresh], dtype=torch.bool).to(dev)  # one copy to the device
-        self.any_cold = any(cold)
+        rows, step = self.step_rows, self.step_index
+        self.any_cold = bool(self.cold_host.any())
         # after its first decode step a request's tail is always resident: the same block as last
         # step's, or the one last step's draft opened (both protected from eviction)
         self.tails_resident = not self.any_cold
@@ -141,6 +138,16 @@ class OasisPolicy(TieredPolicy):
         self.waiting = []
         if self.clock:
             self.clock.collect()
+
+    def step_arrays(self, meta) -> dict[str, np.ndarray]:
+        """Also which rows are cold (no prediction yet) and fresh (predicted last step); before begin_step
+        records this step's predictions."""
+        arrays = super().step_arrays(meta)
+        self.step_rows = rows = arrays["rows"].tolist()
+        step = self.step_index
+        self.cold_host = np.fromiter((r not in self.predicted_at for r in rows), dtype=bool, count=len(rows))
+        fresh = np.fromiter((self.predicted_at.get(r) == step - 1 for r in rows), dtype=bool, count=len(rows))
+        return {**arrays, "cold": self.cold_host, "fresh": fresh}
 
     def prediction_group_ends(self, layers: int) -> frozenset[int]:
         """The layers after which the waiting group is predicted: every PREDICT_GROUP sparse layers,

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from oasiskv.config import KVConfig
+from oasiskv.engine.upload import StepUpload
 from oasiskv.kernels.host_gather import (gather_host_blocks, gather_host_blocks_reference, store_blocks_to_host,
                                          store_blocks_to_host_reference)
 from oasiskv.kernels.tail_append import append_to_tails, append_to_tails_reference
@@ -64,6 +66,7 @@ class TieredPolicy(SparsePolicy):
         # the step number that placements on the copy stream (lane 1) stamp as last use; a policy that places there
         # (oasis) gives it its own tensor, written on that stream
         self.copy_step = self.step_tensor
+        self.upload = StepUpload(device)  # the step's row lists, without a pageable copy
 
     # -- counters (on the device; read only by stats and at release) ------------------------------
     def count(self, name: str, per_row: torch.Tensor, lane: int = 0) -> None:
@@ -127,12 +130,19 @@ class TieredPolicy(SparsePolicy):
         # what earlier steps wrote to the host store and the current stream has not waited for yet: the
         # prefix reads of continued prefills wait for it
         self.prefix_written = self.store_stream.record_event() if self.host_writes_pending else None
-        ids = meta.decode_request_ids
-        self.rows = torch.tensor([self.ws.row(r) for r in ids], dtype=torch.long).to(self.pool.kv.device)
+        arrays = self.step_arrays(meta)
+        self.step_buffer, views = self.upload(list(arrays.values()))
+        for name, t in zip(arrays, views):
+            setattr(self, name, t)
         # host tables one column wider: room for the block a draft token opens (scored, never fetched)
         tables = meta.decode_block_tables
         self.host_tables = torch.nn.functional.pad(tables, (0, 1))  # one launch
         self.tails_resident = False  # retrieval re-checks every step; oasis knows when they are
+
+    def step_arrays(self, meta) -> dict[str, np.ndarray]:
+        """The step's tensors made on the host, by attribute name: sent in one copy (step_buffer)."""
+        ids = meta.decode_request_ids
+        return {"rows": np.fromiter(map(self.ws.row, ids), dtype=np.int64, count=len(ids))}
 
     def attend(self, layer, q, k, v):
         meta = self.meta
