@@ -1,7 +1,8 @@
 """Host time of the per-step pieces the seventh session rewrote, against the forms they replaced, on this
 machine's CPU: block tables (one torch.tensor per request vs block_table_array), the draft's context
 (a prompt + output copy per request vs a TokenView), the n-gram tables of a new prompt and the n-gram lookups
-of a decode step.
+of a decode step; and the runner's whole `prepare` of a decode step, its block tables converted whole (no table
+epoch) or kept between steps (BlockTables), with no device copy.
 
     PYTHONPATH=. python scripts/host_step_bench.py [--requests 16] [--context 16384]
         [--ngram-before FILE]   # e.g. the module before: git show bd9c976^:oasiskv/lookahead/ngram.py > FILE
@@ -16,7 +17,9 @@ import time
 import torch
 
 from oasiskv.engine.request import TokenView
-from oasiskv.engine.runner import block_table_array
+from oasiskv.engine.runner import ModelRunner, block_table_array
+from oasiskv.engine.scheduler import ScheduledChunk
+from oasiskv.policies.base import KVPolicy
 from oasiskv.lookahead.ngram import NgramDraft
 
 
@@ -39,9 +42,16 @@ def main() -> None:
     prompt = [rng.randrange(1000, 151936) for _ in range(n)]
     outputs = [[1, 2, 3] for _ in range(b)]
     print(f"{b} requests of {n} tokens, per step:")
+    runner = ModelRunner(None, KVPolicy(), 16, torch.device("cpu"))
+
+    def chunks(epoch):  # one decode chunk per request, as the scheduler makes them
+        return [ScheduledChunk(str(i), [5], n + i, t, True, 7, None if epoch is None else epoch + i)
+                for i, t in enumerate(tables)]
     rows = [
         ("block tables, torch.tensor per request", lambda: [torch.tensor(t, dtype=torch.int32) for t in tables]),
         ("block tables, block_table_array", lambda: block_table_array(tables)),
+        ("prepare, tables converted whole", lambda: runner.prepare(chunks(None), len(tables[0]))),
+        ("prepare, tables kept between steps", lambda: runner.prepare(chunks(0), len(tables[0]))),
         ("draft context, prompt + output copies", lambda: [prompt + o for o in outputs]),
         ("draft context, TokenView, last 4 read", lambda: [TokenView(prompt, o)[-4:] for o in outputs]),
     ]
