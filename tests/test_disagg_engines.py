@@ -4,6 +4,7 @@ frees a prompt's KV when told or after its timeout; a lost prefill fails only it
 kv_transfer_params are refused with a clear error."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -61,7 +62,9 @@ def single_instance(config, ids_list) -> list[list[int]]:
     return [engine.requests[str(i)].output_token_ids for i in range(len(ids_list))]
 
 
-def test_batched_remote_decode_equals_single_instance(config):
+@pytest.mark.parametrize("draft", ["ngram", "target"])
+def test_batched_remote_decode_equals_single_instance(config, draft):
+    config = dataclasses.replace(config, kv=dataclasses.replace(config.kv, draft=draft))
     ids_list = prompts(3)
     prefill = PrefillEngine(config, DisaggConfig(role="prefill"))
     decode = DecodeEngine(config, DisaggConfig(role="decode", remote_cache_blocks=1, local_kv_blocks=48))

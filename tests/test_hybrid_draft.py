@@ -147,7 +147,7 @@ def test_disaggregated_decode_refuses_the_hybrid():
     pytest.importorskip("nixl_cu12")
     from oasiskv.disagg.decode import DecodeEngine
 
-    with pytest.raises(ValueError, match=r"--role decode supports --draft ngram or repeat, not ngram\+eagle3"):
+    with pytest.raises(ValueError, match=r"--role decode supports --draft ngram, repeat or target, not ngram\+eagle3"):
         DecodeEngine(EngineConfig(kv=KVConfig(mode="oasis", draft="ngram+eagle3")), DisaggConfig(role="decode"))
 
 

@@ -26,7 +26,7 @@ class DecodeEngine(LLMEngine):
         if config.kv.mode != "oasis":
             raise ValueError("--role decode needs --kv-mode oasis")
         if config.kv.draft in HEAD_DRAFTS:
-            raise ValueError(f"--role decode supports --draft ngram or repeat, not {config.kv.draft} (its EAGLE-3 "
+            raise ValueError(f"--role decode supports --draft ngram, repeat or target, not {config.kv.draft} (its EAGLE-3 "
                              "head would need the prompt's hidden states from the prefill instance)")
         self.disagg = disagg
         super().__init__(config)
