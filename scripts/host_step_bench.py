@@ -2,7 +2,7 @@
 machine's CPU: block tables (one torch.tensor per request vs block_table_array), the draft's context
 (a prompt + output copy per request vs a TokenView), the n-gram tables of a new prompt and the n-gram lookups
 of a decode step; and the runner's whole `prepare` of a decode step, its block tables converted whole (no table
-epoch) or kept between steps (BlockTables), with no device copy.
+epoch) or kept between steps (KeptTables), with no device copy.
 
     PYTHONPATH=. python scripts/host_step_bench.py [--requests 16] [--context 16384]
         [--ngram-before FILE]   # e.g. the module before: git show bd9c976^:oasiskv/lookahead/ngram.py > FILE

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from oasiskv.engine.request import TokenView
-from oasiskv.engine.runner import BlockTables, block_table_array
+from oasiskv.engine.runner import KeptTables, block_table_array
 from oasiskv.engine.scheduler import ScheduledChunk
 from oasiskv.engine.upload import StepUpload
 from oasiskv.lookahead.ngram import NgramDraft
@@ -28,7 +28,7 @@ def test_block_tables_kept_between_steps_equal_a_fresh_conversion():
     """Tables that grow, one restarted under a new epoch (a preemption), one without an epoch (rebuilt each
     time), a request id reused by a new table, and requests that skip a step."""
     rng = random.Random(1)
-    tables = BlockTables()
+    tables = KeptTables()
     live = {f"r{i}": ([rng.randrange(1 << 20) for _ in range(rng.randrange(1, 9))], i) for i in range(5)}
     epochs = iter(range(100, 10**6))
     for step in range(60):

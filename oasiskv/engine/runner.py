@@ -33,7 +33,7 @@ class ModelRunner:
         self.capture_layers: tuple[int, ...] = ()
         self.guess_after_drafts = False  # also the target's argmax on the draft rows (--draft target)
         self.upload = StepUpload(device)  # the step's tensors in one copy
-        self.tables = BlockTables()
+        self.tables = KeptTables()
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> StepResult:
@@ -118,7 +118,7 @@ def block_table_array(tables: list[list[int]], width: int = 0) -> np.ndarray:
     return out
 
 
-class BlockTables:
+class KeptTables:
     """The decode block tables as block_table_array makes them, from rows kept between steps. A request's table
     only grows until it is preempted (ScheduledChunk.table_epoch), so a step converts only its new blocks: turning
     every request's whole list into an array again took about 0.5 ms a step at 16 x 16K on the H200's host."""
