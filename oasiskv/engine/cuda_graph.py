@@ -35,25 +35,17 @@ class CapturedStep:
     captured: list[torch.Tensor]  # hidden states of the capture layers, rewritten by each replay
     guesses: torch.Tensor | None = None  # the target's argmax on the draft rows, when asked for
     tail: object = None  # the policy's capture_tail(): work replayed after the step, not waited for
-    packed: torch.Tensor | None = None  # the buffer that `inputs` are views of (meta.packed), when they are
+    packed: torch.Tensor | None = None  # the buffer that `inputs` are views of (meta.packed)
     step_buffer: torch.Tensor | None = None  # the buffer that some step tensors are views of (policy.step_buffer)
     in_step_buffer: frozenset[str] = frozenset()  # ... their names
 
     def load(self, ids, positions, meta: AttentionMetadata, policy: KVPolicy) -> None:
-        # one copy where both steps' inputs are views of one buffer: the same key gives the same layout
-        if self.packed is not None and meta.packed is not None and meta.packed.shape == self.packed.shape:
-            self.packed.copy_(meta.packed, non_blocking=True)
-        else:
-            fresh = {"ids": ids, "positions": positions, **{name: getattr(meta, name) for name in META_TENSORS}}
-            for name, t in self.inputs.items():
-                t.copy_(fresh[name], non_blocking=True)
-        fresh_buffer = getattr(policy, "step_buffer", None)
-        one_copy = self.step_buffer is not None and fresh_buffer is not None \
-            and fresh_buffer.shape == self.step_buffer.shape
-        if one_copy:
-            self.step_buffer.copy_(fresh_buffer, non_blocking=True)
+        # one copy per buffer: the same graph key gives the same shapes, so the same layout inside it
+        self.packed.copy_(meta.packed, non_blocking=True)
+        if self.in_step_buffer:
+            self.step_buffer.copy_(policy.step_buffer, non_blocking=True)
         for name, t in self.step_tensors.items():
-            if not (one_copy and name in self.in_step_buffer):
+            if name not in self.in_step_buffer:
                 t.copy_(getattr(policy, name), non_blocking=True)
 
 
@@ -114,10 +106,12 @@ class DecodeGraphs:
         tail = self.policy.capture_tail(self.pool)
         inputs = {"ids": ids, "positions": positions, **{name: getattr(meta, name) for name in META_TENSORS}}
         step_tensors = {name: getattr(self.policy, name) for name in self.policy.STEP_TENSORS}
-        packed = meta.packed if all(views_of(t, meta.packed) for t in inputs.values()) else None
-        step_buffer = getattr(self.policy, "step_buffer", None)
+        if not all(views_of(t, meta.packed) for t in inputs.values()):
+            raise ValueError("a captured step's ids, positions and metadata must be views of meta.packed "
+                             "(ModelRunner.prepare makes them so)")
+        step_buffer = self.policy.step_buffer
         in_buffer = frozenset(n for n, t in step_tensors.items() if views_of(t, step_buffer))
-        step = CapturedStep(graph, inputs, step_tensors, logits, captured, drafted, tail, packed,
+        step = CapturedStep(graph, inputs, step_tensors, logits, captured, drafted, tail, meta.packed,
                             step_buffer if in_buffer else None, in_buffer)
         self.graphs[key] = step
         if len(self.graphs) > self.max_graphs:

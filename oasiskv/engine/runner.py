@@ -121,7 +121,8 @@ def block_table_array(tables: list[list[int]], width: int = 0) -> np.ndarray:
 class KeptTables:
     """The decode block tables as block_table_array makes them, from rows kept between steps. A request's table
     only grows until it is preempted (ScheduledChunk.table_epoch), so a step converts only its new blocks: turning
-    every request's whole list into an array again took about 0.5 ms a step at 16 x 16K on the H200's host."""
+    every request's whole list into an array again took 0.56 ms a step at 16 x 16K on the H200's host (cProfile,
+    docs/BENCHMARKS.md, thirteenth session)."""
 
     def __init__(self):
         self.rows: dict[tuple[str, int], tuple[np.ndarray, int]] = {}  # (request, epoch) -> (row, blocks in it)

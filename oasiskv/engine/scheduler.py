@@ -12,7 +12,6 @@ recompute after preemption are the same operation with different chunk lengths.
 from __future__ import annotations
 
 import itertools
-
 from collections import deque
 from dataclasses import dataclass, field
 

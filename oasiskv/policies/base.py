@@ -57,6 +57,9 @@ class KVPolicy:
     name = "base"
     wants_drafts = False  # True: the runner adds a draft token beside each decode token
     STEP_TENSORS: tuple[str, ...] = ()
+    # the device buffer that some STEP_TENSORS are views of (engine/upload.py), made afresh by begin_step: a replay
+    # refreshes those with one copy of it
+    step_buffer: torch.Tensor | None = None
     # tensor parallelism: this rank's block scores [B, blocks] -> the whole model's (distributed/scores.py)
     combine_scores = None
 
