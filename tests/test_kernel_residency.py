@@ -51,15 +51,22 @@ def python_loop(selection, slot_of, predicted, rows, fresh, layer):
 
 @pytest.mark.parametrize("b,k", [(1, 1), (4, 7), (6, 16), (5, 33)])
 @pytest.mark.parametrize("layer", [0, 2])
-def test_kernel_and_twin_match_a_python_loop(b, k, layer):
+@pytest.mark.parametrize("with_extra", [False, True], ids=["plain", "extra"])
+def test_kernel_and_twin_match_a_python_loop(b, k, layer, with_extra):
+    """With `extra`, the output gains a last column holding it (oasis: the block each draft opens, or -1)."""
     selection, slot_of, predicted, rows, fresh, columns = make_case(b, k, seed=b * 10 + k + layer)
     expect, per_row = python_loop(selection, slot_of, predicted, rows, fresh, layer)
+    extra = None
+    if with_extra:
+        extra = torch.randint(-1, 50, (b,), generator=torch.Generator().manual_seed(b), dtype=torch.int32)
+        expect = torch.cat([expect, extra[:, None]], 1)
+        extra = extra.to(DEV)
     inputs = [t.to(DEV) for t in (selection, slot_of, predicted, rows, fresh)]
     for impl in (resident_selection, resident_selection_reference):
         row_counts = torch.zeros(6, 8, dtype=torch.int64, device=DEV)
         layer_counts = torch.zeros(3, 8, dtype=torch.int64, device=DEV)
         row_counts[:, 7] = 5  # counters accumulate onto what is there
-        out = impl(*inputs, row_counts, layer_counts, columns.to(DEV), layer).cpu()
+        out = impl(*inputs, row_counts, layer_counts, columns.to(DEV), layer, extra).cpu()
         row_counts, layer_counts = row_counts.cpu(), layer_counts.cpu()
         assert torch.equal(out, expect)
         for r, c in per_row.items():
@@ -81,3 +88,5 @@ def test_bad_inputs_raise():
         resident_selection(selection, slot_of, predicted, rows, fresh, *counts, columns, 3)
     with pytest.raises(ValueError, match="counter_ids"):
         resident_selection(selection, slot_of, predicted, rows, fresh, *counts, columns[:3], 0)
+    with pytest.raises(ValueError, match="extra must be int32"):
+        resident_selection(selection, slot_of, predicted, rows, fresh, *counts, columns, 0, rows)

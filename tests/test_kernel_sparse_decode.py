@@ -325,6 +325,36 @@ def test_two_queries_per_sequence(dtype, shape, num_splits):
     assert torch.equal(fused[:b], alone)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_table_rows_read_a_larger_table_in_place(dtype, num_splits):
+    """With table_rows, sequence b reads row table_rows[b] of a larger table (a working set's slot table):
+    the same result as the gathered table, and equal to the float64 brute force."""
+    lens = [40, 70, 17]
+    args, _, _ = make_case([n + 1 for n in lens], 4, 2, 32, 16, dtype, seed=11)
+    _, kv, tables, indptr, indices, _, scale = args
+    b, width = len(lens), tables.shape[1]
+    rows = torch.tensor([4, 0, 2], dtype=torch.int64, device=DEV)
+    big = torch.full((6, width), -1, dtype=torch.int32, device=DEV)  # rows no sequence names stay -1
+    big[rows] = tables
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2 * b, 4, 32, generator=gen).to(dtype).to(DEV)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    selection = as_padded(indptr, indices, max(int((indptr[1:] - indptr[:-1]).max()), 1) + 1, seed=3)
+    gathered = sparse_decode_attention_padded(q, kv, tables, selection, seq_lens, scale, num_queries=2,
+                                              num_splits=num_splits)
+    for impl in (sparse_decode_attention_padded, sparse_decode_padded_reference):
+        tuning = {"num_splits": num_splits} if impl is sparse_decode_attention_padded else {}
+        out = impl(q, kv, big, selection, seq_lens, scale, num_queries=2, table_rows=rows, **tuning)
+        for i in range(2):
+            ref = bruteforce_f64(q[i * b:(i + 1) * b], kv, tables, indptr, indices, seq_lens + i, scale)
+            assert rel_err(out[i * b:(i + 1) * b], ref) < TOL[dtype] * 2, (impl.__name__, i)
+    assert torch.equal(sparse_decode_attention_padded(q, kv, big, selection, seq_lens, scale, num_queries=2,
+                                                      num_splits=num_splits, table_rows=rows), gathered)
+    with pytest.raises(ValueError, match="table_rows"):
+        sparse_decode_attention_padded(q, kv, big, selection, seq_lens, scale, num_queries=2, table_rows=rows[:2])
+
+
 def test_num_queries_must_divide_the_rows():
     args, _, _ = make_case([40], 4, 2, 32, 16, torch.float32, seed=4)
     q, kv, tables, _, _, lens, scale = args

@@ -9,6 +9,8 @@ and five counters are added, per row into row_counts[r, :] and per layer into la
   misses       valid and not resident
   agree_total  valid, on rows whose prediction was made last step (fresh[b])
   agree_hits   the same, and predicted[layer, r, sel[b, j]]
+With `extra` (int32 [B]) the output has one more column, attended[b, K] = extra[b]: oasis appends the block
+its draft opens there, so attention reads one list with no concatenation.
 The torch twin is the chain of ~20 small ops this replaces; both run on any device (the Triton kernel on
 CUDA tensors and under TRITON_INTERPRET=1)."""
 from __future__ import annotations
@@ -24,8 +26,8 @@ COUNTERS = ("selected", "hits", "misses", "agree_hits", "agree_total")  # order 
 
 @triton.jit
 def _resident_kernel(sel_ptr, slot_ptr, pred_ptr, rows_ptr, fresh_ptr, out_ptr, row_counts_ptr, layer_counts_ptr,
-                     ids_ptr, layer, K, s_slot_l, s_slot_r, s_pred_l, s_pred_r, s_rc, s_lc,
-                     K_PAD: tl.constexpr):
+                     ids_ptr, extra_ptr, layer, K, s_out, s_slot_l, s_slot_r, s_pred_l, s_pred_r, s_rc, s_lc,
+                     K_PAD: tl.constexpr, EXTRA: tl.constexpr):
     b = tl.program_id(0)
     j = tl.arange(0, K_PAD)
     in_row = j < K
@@ -36,7 +38,9 @@ def _resident_kernel(sel_ptr, slot_ptr, pred_ptr, rows_ptr, fresh_ptr, out_ptr, 
     resident = valid & (slot >= 0)
     predicted = tl.load(pred_ptr + layer * s_pred_l + r * s_pred_r + sel, mask=valid, other=0) != 0
     fresh = tl.load(fresh_ptr + b) != 0
-    tl.store(out_ptr + b * K + j, tl.where(resident, sel, -1), mask=in_row)
+    tl.store(out_ptr + b * s_out + j, tl.where(resident, sel, -1), mask=in_row)
+    if EXTRA:
+        tl.store(out_ptr + b * s_out + K, tl.load(extra_ptr + b))
 
     selected = tl.sum(valid.to(tl.int64), axis=0)
     hits = tl.sum(resident.to(tl.int64), axis=0)
@@ -57,7 +61,7 @@ def _add(row_ptr, layer_ptr, ids_ptr, i, value):
     tl.atomic_add(layer_ptr + column, value, sem="relaxed")
 
 
-def _check(selection, slot_of, predicted, rows, fresh, row_counts, layer_counts, counter_ids, layer):
+def _check(selection, slot_of, predicted, rows, fresh, row_counts, layer_counts, counter_ids, layer, extra):
     if selection.dim() != 2 or selection.dtype != torch.int32:
         raise ValueError(f"selection must be int32 [B, K], got {selection.dtype} {tuple(selection.shape)}")
     b = len(selection)
@@ -74,35 +78,42 @@ def _check(selection, slot_of, predicted, rows, fresh, row_counts, layer_counts,
         raise ValueError(f"counter_ids must hold {len(COUNTERS)} counter columns ({', '.join(COUNTERS)})")
     if not 0 <= layer < slot_of.shape[0]:
         raise ValueError(f"layer {layer} out of range [0, {slot_of.shape[0]})")
+    if extra is not None and (extra.shape != (b,) or extra.dtype != torch.int32):
+        raise ValueError(f"extra must be int32 [{b}], got {extra.dtype} {tuple(extra.shape)}")
     for name, t in (("slot_of", slot_of), ("predicted", predicted), ("rows", rows), ("fresh", fresh),
-                    ("row_counts", row_counts), ("layer_counts", layer_counts), ("counter_ids", counter_ids)):
+                    ("row_counts", row_counts), ("layer_counts", layer_counts), ("counter_ids", counter_ids),
+                    ("extra", selection if extra is None else extra)):
         if t.device != selection.device:
             raise ValueError(f"{name} is on {t.device}, selection on {selection.device}")
 
 
 def resident_selection(selection, slot_of, predicted, rows, fresh, row_counts, layer_counts, counter_ids,
-                       layer: int) -> torch.Tensor:
-    """The module docstring's `attended` (int32 [B, K]); adds the counters in place. `counter_ids` (long [5],
-    on the device) gives the column of each of COUNTERS in row_counts / layer_counts. Blocks in
-    `selection` must be < slot_of.shape[2]."""
-    _check(selection, slot_of, predicted, rows, fresh, row_counts, layer_counts, counter_ids, layer)
+                       layer: int, extra: torch.Tensor | None = None) -> torch.Tensor:
+    """The module docstring's `attended` (int32 [B, K], or [B, K + 1] with `extra`); adds the counters in place.
+    `counter_ids` (long [5], on the device) gives the column of each of COUNTERS in row_counts / layer_counts.
+    Blocks in `selection` must be < slot_of.shape[2]."""
+    _check(selection, slot_of, predicted, rows, fresh, row_counts, layer_counts, counter_ids, layer, extra)
     if not (selection.is_cuda or type(_resident_kernel).__name__ == "InterpretedFunction"):
         return resident_selection_reference(selection, slot_of, predicted, rows, fresh, row_counts, layer_counts,
-                                            counter_ids, layer)
+                                            counter_ids, layer, extra)
     b, k = selection.shape
-    out = torch.empty_like(selection)
+    with_extra = extra is not None
+    out = torch.empty(b, k + with_extra, dtype=selection.dtype, device=selection.device)
     if b == 0 or k == 0:
+        if with_extra:
+            out[:, k] = extra
         return out
     selection, rows, fresh = selection.contiguous(), rows.contiguous(), fresh.contiguous()  # read as [b]
     _resident_kernel[(b,)](
         selection, slot_of, predicted.view(torch.uint8), rows, fresh.view(torch.uint8), out, row_counts, layer_counts,
-        counter_ids, layer, k, slot_of.stride(0), slot_of.stride(1), predicted.stride(0), predicted.stride(1),
-        row_counts.stride(0), layer_counts.stride(0), K_PAD=triton.next_power_of_2(k))
+        counter_ids, extra.contiguous() if with_extra else rows, layer, k, out.stride(0), slot_of.stride(0),
+        slot_of.stride(1), predicted.stride(0), predicted.stride(1), row_counts.stride(0), layer_counts.stride(0),
+        K_PAD=triton.next_power_of_2(k), EXTRA=with_extra)
     return out
 
 
 def resident_selection_reference(selection, slot_of, predicted, rows, fresh, row_counts, layer_counts, counter_ids,
-                                 layer: int) -> torch.Tensor:
+                                 layer: int, extra: torch.Tensor | None = None) -> torch.Tensor:
     """Torch twin of resident_selection."""
     rows = rows.long()
     valid = selection >= 0
@@ -114,4 +125,5 @@ def resident_selection_reference(selection, slot_of, predicted, rows, fresh, row
                           judged.sum(1)])  # [5, B]
     row_counts.index_put_((rows[None, :], counter_ids[:, None]), values, accumulate=True)
     layer_counts[layer].index_add_(0, counter_ids, values.sum(1))
-    return torch.where(resident, selection, -1)
+    attended = torch.where(resident, selection, -1)
+    return attended if extra is None else torch.cat([attended, extra[:, None]], 1)

@@ -9,7 +9,9 @@ Inputs (one layer):
                                                    CSR list of the selected LOGICAL block ids of each
                                                    sequence (ascending by convention; the result does
                                                    not depend on the order; -1 entries are skipped)
-  or, for sparse_decode_attention_padded, selection int32 [B, K]: the same ids as a padded table
+  or, for sparse_decode_attention_padded, selection int32 [B, K]: the same ids as a padded table,
+  and optionally table_rows int [B]: sequence b's table is block_tables[table_rows[b]] (block_tables
+  then has any number of rows: a working set's slot table is read in place, with no gathered copy)
   seq_lens     int32 [B]                           valid tokens; logical block j holds
                                                    min(block_size, seq_len - j * block_size) of them
 Output [B, Hq, D] in q's dtype. Query head h reads KV head h // (Hq // Hkv); all query heads of a
@@ -47,7 +49,7 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _sparse_decode_split_kernel(
-    q_ptr, kv_ptr, bt_ptr, indptr_ptr, indices_ptr, seqlen_ptr, ws_ptr, out_ptr,
+    q_ptr, kv_ptr, bt_ptr, trows_ptr, indptr_ptr, indices_ptr, seqlen_ptr, ws_ptr, out_ptr,
     qk_scale,      # softmax scale * log2(e)
     num_seqs,      # B: query i of sequence b is row i * B + b of q / out
     num_splits,
@@ -58,6 +60,7 @@ def _sparse_decode_split_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr,
     DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr, PADDED: tl.constexpr,
+    ROW_INDIRECT: tl.constexpr,
 ):
     # Few runtime arguments on purpose: Triton's per-launch host cost grows with their number.
     b = tl.program_id(0)
@@ -92,7 +95,11 @@ def _sparse_decode_split_kernel(
     t_blk = t // BLOCK_SIZE  # which of this iteration's blocks a token row belongs to
     t_tok = t % BLOCK_SIZE   # token within its block
     head_off = kvh * HEAD_DIM + d[None, :]
-    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    if ROW_INDIRECT:  # sequence b's block-table row is table_rows[b]
+        table_row = tl.load(trows_ptr + b).to(tl.int64)
+    else:
+        table_row = b.to(tl.int64)
+    bt_row = bt_ptr + table_row * stride_bt
 
     m_i = tl.full([G_PAD], -1.0e38, dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
@@ -177,7 +184,7 @@ def _use_triton(t: torch.Tensor) -> bool:
 
 
 
-def _check_inputs(q, kv_layer, block_tables, sel_indptr, sel_indices, seq_lens, out):
+def _check_inputs(q, kv_layer, block_tables, sel_indptr, sel_indices, seq_lens, out, table_rows=None):
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got shape {tuple(q.shape)}")
     if kv_layer.dim() != 5 or kv_layer.shape[1] != 2:
@@ -213,7 +220,14 @@ def _check_inputs(q, kv_layer, block_tables, sel_indptr, sel_indices, seq_lens, 
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
         if shape is not None and tuple(t.shape) != shape:
             raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-    if block_tables.dim() != 2 or block_tables.shape[0] != B:
+    if table_rows is not None:
+        if table_rows.shape != (B,) or table_rows.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"table_rows must be int [B={B}], got {table_rows.dtype} {tuple(table_rows.shape)}")
+        if table_rows.device != q.device:
+            raise ValueError(f"table_rows is on {table_rows.device}, q on {q.device}")
+        if block_tables.dim() != 2:
+            raise ValueError(f"block_tables must be [rows, max_blocks], got {tuple(block_tables.shape)}")
+    elif block_tables.dim() != 2 or block_tables.shape[0] != B:
         raise ValueError(f"block_tables must be [B={B}, max_blocks], got {tuple(block_tables.shape)}")
     if sel_indices.dim() != 1:
         raise ValueError(f"sel_indices must be 1-D, got shape {tuple(sel_indices.shape)}")
@@ -271,23 +285,25 @@ def sparse_decode_attention_padded(
     scale: float,
     out: torch.Tensor | None = None,
     num_queries: int = 1,
+    table_rows: torch.Tensor | None = None,
     **tuning,
 ) -> torch.Tensor:
     """sparse_decode_attention with the selection as a padded table: `selection` int32 [B, K] of
     logical block ids, -1 = none (anywhere in a row, in any order). No CSR conversion is needed.
-    num_queries: q rows per sequence, stacked [num_queries * B, Hq, D] (module docstring)."""
+    num_queries: q rows per sequence, stacked [num_queries * B, Hq, D] (module docstring).
+    table_rows: int [B], the row of block_tables that holds each sequence's table (default: row b)."""
     nseq = _check_queries(q, selection, num_queries)
     flat = selection.contiguous().view(-1)
     if not _use_triton(q):
         result = sparse_decode_padded_reference(q, kv_layer, block_tables, selection, seq_lens, scale,
-                                                num_queries=num_queries)
+                                                num_queries=num_queries, table_rows=table_rows)
         return result if out is None else out.copy_(result)
-    _check_inputs(q[:nseq], kv_layer, block_tables, None, flat, seq_lens, None)
+    _check_inputs(q[:nseq], kv_layer, block_tables, None, flat, seq_lens, None, table_rows)
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, "
                          f"got {tuple(out.shape)} {out.dtype} on {out.device}")
     return _launch(q, kv_layer, block_tables, selection.shape[1], flat, seq_lens, scale, out, padded=True,
-                   num_queries=num_queries, **tuning)
+                   num_queries=num_queries, table_rows=table_rows, **tuning)
 
 
 def _check_queries(q: torch.Tensor, selection: torch.Tensor, num_queries: int) -> int:
@@ -304,10 +320,12 @@ def _check_queries(q: torch.Tensor, selection: torch.Tensor, num_queries: int) -
 
 
 def sparse_decode_padded_reference(q, kv_layer, block_tables, selection, seq_lens, scale, out=None,
-                                   num_queries: int = 1) -> torch.Tensor:
+                                   num_queries: int = 1, table_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Torch twin of sparse_decode_attention_padded (through the CSR form; syncs with the device).
     Query i of a sequence attends to the selected blocks that hold any of its seq_len + i tokens."""
     nseq = _check_queries(q, selection, num_queries)
+    if table_rows is not None:
+        block_tables = block_tables[table_rows.long()]
     parts = []
     for i in range(num_queries):
         lens = seq_lens + i
@@ -322,7 +340,8 @@ def sparse_decode_padded_reference(q, kv_layer, block_tables, selection, seq_len
 
 
 def _launch(q, kv_layer, block_tables, indptr_arg, sel_indices, seq_lens, scale, out, *, padded: bool,
-            num_queries: int = 1, num_splits: int | None = None, blocks_per_iter: int | None = None, num_warps: int = 4,
+            num_queries: int = 1, table_rows: torch.Tensor | None = None, num_splits: int | None = None,
+            blocks_per_iter: int | None = None, num_warps: int = 4,
             num_stages: int = 2, prefetch: bool = True) -> torch.Tensor:
     """Launches the kernels; `indptr_arg` is the CSR indptr tensor, or with `padded` the table's width."""
     rows, Hq, D = q.shape
@@ -362,13 +381,15 @@ def _launch(q, kv_layer, block_tables, indptr_arg, sel_indices, seq_lens, scale,
         lse_off = rows * Hq * num_splits * D
         ws = torch.empty(lse_off + rows * Hq * num_splits, dtype=torch.float32, device=q.device)
 
+    indirect = table_rows is not None
     _sparse_decode_split_kernel[(B, Hkv, num_splits)](
-        q, kv_layer, block_tables, indptr_arg, sel_indices, seq_lens, ws, dst,
+        q, kv_layer, block_tables, table_rows.contiguous() if indirect else seq_lens, indptr_arg, sel_indices,
+        seq_lens, ws, dst,
         float(scale) * _LOG2E, B, num_splits, lse_off, kv_layer.stride(0), block_tables.stride(0),
         HQ=Hq, GROUP=group, NQ=num_queries, G_PAD=g_pad, HKV=Hkv, HEAD_DIM=D, D_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCKS_PER_ITER=blocks_per_iter,
         DIRECT=direct, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        PREFETCH=prefetch, PADDED=padded, num_warps=num_warps, num_stages=num_stages,
+        PREFETCH=prefetch, PADDED=padded, ROW_INDIRECT=indirect, num_warps=num_warps, num_stages=num_stages,
     )
     if not direct:
         _sparse_decode_merge_kernel[(rows * Hq,)](

@@ -212,10 +212,11 @@ class OasisPolicy(TieredPolicy):
         draft_kv = (k[real:], v[real:])
         tail_slots = self.write_tail(layer, k[:nd], v[:nd], draft_kv if together else None)
         dense = self.is_dense_layer(layer)
-        attended, draft_scores = self.resident_selection(layer, q, dense)
-        opened = self.rows_now.opened if together else self.write_draft_kv(layer, tail_slots, attended, *draft_kv)
+        attended, draft_scores = self.resident_selection(layer, q, dense)  # its last column: the opened blocks
+        if not together:
+            self.write_draft_kv(layer, tail_slots, attended, *draft_kv)
         with self.timer("attention"):
-            self.attend_with_draft(layer, q, out, attended, opened, dense)
+            self.attend_with_draft(layer, q, out, attended, dense)
         if self.any_opens:  # x_t filled some tail block (the same condition)
             self.spill_full_tails(layer, tail_slots)
         if not dense:
@@ -227,27 +228,28 @@ class OasisPolicy(TieredPolicy):
                 self.predict_and_prefetch(self.rows_now)
         self.flush_counts(layer)
 
-    def attend_with_draft(self, layer, q, out, attended, opened, dense) -> None:
-        """x_t and its draft in one launch: x_t attends to `attended`; the draft to the same blocks, the
-        block it opened and one more token (its own, written where x_{t+1}'s will go). On sparse layers
-        the K/V of each block are read once for both."""
+    def attend_with_draft(self, layer, q, out, attended, dense) -> None:
+        """x_t and its draft in one launch: x_t attends to `attended` (int32 [B, K + 1], its last column the
+        block each draft opened, or -1); the draft to the same blocks and one more token (its own, written
+        where x_{t+1}'s will go). On sparse layers the K/V of each block are read once for both, and the
+        slots are looked up in the working set's table in place."""
         meta = self.meta
         nd, real = meta.num_decode, len(q) - meta.num_draft
         both = q[:2 * nd] if real == nd else torch.cat([q[:nd], q[real:]])  # prefill rows sit in between
         gpu_kv = self.pool.layer(layer)
-        tables = self.ws.table(layer, self.rows, self.host_tables.shape[1])
         target = out[:2 * nd] if real == nd else None
         if dense:
-            tables, lens = tables.repeat(2, 1), self.rows_now.both_lens
+            tables = self.ws.table(layer, self.rows, self.host_tables.shape[1]).repeat(2, 1)
+            lens = self.rows_now.both_lens
             if self.cuda:
                 result = paged_decode_attention(both, gpu_kv, tables, lens, self.scale, target,
                                                 max_seq_len=meta.decode_max_seq_len + 1)
             else:
                 result = paged_decode_reference(both, gpu_kv, tables, lens, self.scale)
         else:  # the draft sees one token more than x_t, so x_t skips the block the draft opened
-            blocks = torch.cat([attended, opened[:, None]], 1)
             attend = sparse_decode_attention_padded if self.cuda else sparse_decode_padded_reference
-            result = attend(both, gpu_kv, tables, blocks, meta.decode_seq_lens, self.scale, target, num_queries=2)
+            result = attend(both, gpu_kv, self.ws._slot_of[layer], attended, meta.decode_seq_lens, self.scale, target,
+                            num_queries=2, table_rows=self.rows)
         if target is None or result.data_ptr() != target.data_ptr():
             out[:nd], out[real:] = result[:nd], result[nd:]
 
@@ -264,8 +266,9 @@ class OasisPolicy(TieredPolicy):
 
     def resident_selection(self, layer, q, dense) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x_t's selection restricted to what is resident once cold-start (and, with the "fetch"
-        policy, all) misses are fetched: int32 [B, K], -1 where a selected block is left out; and the
-        draft's block scores for the group's prediction (None on dense layers). `q`: all of the step's rows."""
+        policy, all) misses are fetched: int32 [B, K + 1], -1 where a selected block is left out, the last
+        column the block each draft opens (or -1); and the draft's block scores for the group's prediction
+        (None on dense layers). `q`: all of the step's rows."""
         draft_scores = None
         if dense:  # every block; no prediction is made for dense layers, so no agreement either
             selection, judged = self.rows_now.every_block, torch.zeros_like(self.fresh)
@@ -275,18 +278,20 @@ class OasisPolicy(TieredPolicy):
                 _, selection = self.select_by(scores)
             judged = self.fresh
         check = resident_selection if self.cuda else resident_selection_reference  # + selected/hit/miss/agreement
-        resident = check(selection, self.ws._slot_of, self.predicted, self.rows, judged, self.row_counts[0],
-                         self.layer_counts[0], self.residency_counters, layer)
+        opened = self.rows_now.opened
+        attended = check(selection, self.ws._slot_of, self.predicted, self.rows, judged, self.row_counts[0],
+                         self.layer_counts[0], self.residency_counters, layer, opened)
         fetch_all = dense or self.cfg.miss_policy == "fetch"
         if not (fetch_all or self.any_cold):  # nothing to fetch: misses are left out
-            return resident, draft_scores
+            return attended, draft_scores
         fetch_rows = torch.ones_like(self.cold) if fetch_all else self.cold
+        resident = attended[:, :-1]
         need = torch.where((selection >= 0) & (resident < 0) & fetch_rows[:, None], selection, -1)
         with self.timer("gather"):
             fetched, _ = self.fetch(layer, need, self.mask_of(selection))
         self.count("cold_fetched_blocks", fetched & self.cold[:, None])
         self.count("miss_fetched_blocks", fetched & ~self.cold[:, None])
-        return torch.where((resident >= 0) | fetched, selection, -1), draft_scores
+        return torch.cat([torch.where((resident >= 0) | fetched, selection, -1), opened[:, None]], 1), draft_scores
 
     def score_now_and_draft(self, layer, q) -> tuple[torch.Tensor, torch.Tensor]:
         """x_t's block scores fp32 [B, W] (W: the decode block tables' width) and the draft's [B, W + 1]
@@ -316,15 +321,15 @@ class OasisPolicy(TieredPolicy):
                          opened=torch.where(opens, pos // self.block_size, -1).to(torch.int32),
                          draft_offset=pos % self.block_size)
 
-    def write_draft_kv(self, layer, tail_slots, attended, k, v) -> torch.Tensor:
+    def write_draft_kv(self, layer, tail_slots, attended, k, v) -> None:
         """Puts the draft token's K/V where x_{t+1}'s will go: the tail block, or a block it opens (given
         a slot now, never one of x_t's attended blocks, and resident for the next step). One launch on
-        the GPU. Returns the opened block id per row, or -1."""
+        the GPU. `attended` may list the opened blocks too (resident_selection's last column): a block
+        without a slot is held by none, so protecting it changes nothing."""
         rows, ws = self.rows_now, self.ws
         write = write_draft_kv if self.cuda else write_draft_kv_reference
         write(self.pool.layer(layer), ws._slot_of, ws._block_of, ws._last_used, layer, self.rows, tail_slots,
               rows.opened, rows.draft_offset, attended, k, v, self.step_tensor)
-        return rows.opened
 
     def predict_and_prefetch(self, rows: DraftRows) -> None:
         """The draft's selection is the prediction for the next step; its missing blocks are gathered,

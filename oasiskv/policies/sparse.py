@@ -65,6 +65,7 @@ class DecodeRows:
 
 
 class SparsePolicy(KVPolicy):
+    counts_selections = True  # select_by sums the selected blocks (the tiered policies count them per row)
     def __init__(self, kv_cfg: KVConfig, summaries: BlockSummaries, block_size: int, scale: float,
                  device: torch.device, timing: bool = True):
         self.cfg, self.summaries, self.block_size, self.scale = kv_cfg, summaries, block_size, scale
@@ -127,7 +128,8 @@ class SparsePolicy(KVPolicy):
         nblocks = self.rows_now.nblocks
         select = select_blocks_fused if self.cuda else select_blocks_padded
         counts, padded = select(scores, nblocks, self.budget_blocks, self.cfg.sink_blocks, self.cfg.local_blocks)
-        self.selected_on_device += counts.sum()  # summed on the device: no sync per layer
+        if self.counts_selections:
+            self.selected_on_device += counts.sum()  # summed on the device: no sync per layer
         return counts, padded
 
     def score_blocks(self, layer: int, q: torch.Tensor, tables: torch.Tensor, nblocks: torch.Tensor) -> torch.Tensor:

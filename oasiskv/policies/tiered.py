@@ -37,6 +37,7 @@ class TieredRows(DecodeRows):
 
 class TieredPolicy(SparsePolicy):
     COUNTERS = ("selected_blocks", "hits", "misses", "fetched_blocks", "tail_fetches")
+    counts_selections = False  # "selected_blocks" is one of COUNTERS
     STEP_TENSORS = ("rows", "host_tables")
 
     def __init__(self, pool: KVPool, host: HostStore, working_set: WorkingSet, kv_cfg: KVConfig,
