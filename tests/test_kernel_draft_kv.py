@@ -1,8 +1,6 @@
 """The draft token's K/V placement (kernels/draft_kv.py): Triton kernel (TRITON_INTERPRET=1 on the CPU) and
 torch twin against a plain Python loop over the rows."""
 import os
-import subprocess
-import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -11,7 +9,7 @@ import torch  # noqa: E402
 
 from oasiskv.kernels.draft_kv import write_draft_kv, write_draft_kv_reference  # noqa: E402
 
-from tests.kernel_device import DEV  # noqa: E402
+from tests.kernel_device import DEV, run_without_interpreter  # noqa: E402
 
 LAYERS, ROWS, BS, HKV, D = 2, 5, 4, 2, 8
 
@@ -107,9 +105,7 @@ def test_compiles_for_the_h200():
     # process without the interpreter, at the headline width (129 slots) and selection (128 blocks)
     code = ("from oasiskv.kernels.draft_kv import compile_for\n"
             "assert compile_for(90, 129, 128).asm['cubin']\n")
-    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_without_interpreter(code)
 
 
 def test_bad_inputs_raise():

@@ -1,5 +1,5 @@
 """Residency check with counters: Triton kernel (under TRITON_INTERPRET=1 on the CPU) vs torch twin vs a
-plain Python loop."""
+plain Python loop; with the draft's K/V write fused in, vs the two torch twins one after the other."""
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -7,10 +7,13 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from oasiskv.kernels.residency import COUNTERS, resident_selection, resident_selection_reference  # noqa: E402
+from oasiskv.kernels.draft_kv import write_draft_kv_reference  # noqa: E402
+from oasiskv.kernels.residency import (COUNTERS, DraftWrite, resident_selection,  # noqa: E402
+                                       resident_selection_reference)
 
 # on a GPU machine run with TRITON_INTERPRET=0 to test the compiled kernel
-from tests.kernel_device import DEV  # noqa: E402
+from tests.kernel_device import DEV, run_without_interpreter  # noqa: E402
+from tests.test_kernel_draft_kv import make_case as draft_case  # noqa: E402
 
 
 def make_case(b, k, layers=3, rows=6, blocks=40, seed=0):
@@ -90,3 +93,82 @@ def test_bad_inputs_raise():
         resident_selection(selection, slot_of, predicted, rows, fresh, *counts, columns[:3], 0)
     with pytest.raises(ValueError, match="extra must be int32"):
         resident_selection(selection, slot_of, predicted, rows, fresh, *counts, columns, 0, rows)
+
+
+def fused_case(b, width, k, dtype, seed):
+    """kernels/draft_kv.py's case (consistent working-set tables, layer 1) as a residency check's input: x_t
+    selects its attended blocks (resident) and some without a slot. Row 0 is full, opens a block without a
+    slot and selects its least recently used block, so the victim must skip it; row 1 opens a resident block,
+    row 2 nothing (its K/V go to its tail slot)."""
+    case = list(draft_case(b, width, 3 * width, k, dtype, seed))
+    kv, slot_of, block_of, last_used, layer, rows, tail_slots, opened, offset, selection, k_new, v_new = case
+    gen = torch.Generator().manual_seed(seed)
+    tail_slots.copy_(rows * width)  # each row's own slot, so no two programs write one place on a GPU either
+    r = int(rows[0])
+    unheld = [x for x in range(3 * width) if x not in block_of[layer, r].tolist()]
+    for j in (block_of[layer, r, :width] < 0).nonzero().flatten().tolist():
+        block_of[layer, r, j] = blk = unheld.pop()
+        slot_of[layer, r, blk] = r * width + j
+    opened[0], offset[0] = unheld.pop(), 0
+    lru = block_of[layer, r, int(last_used[layer, r, :width].argmin())]
+    if lru not in selection[0]:
+        selection[0, 0] = lru
+    if b > 2:
+        opened[1], offset[1] = block_of[layer, int(rows[1]), 0], 0
+        opened[2], offset[2] = -1, 1
+    for i, r in enumerate(rows.tolist()):
+        held = block_of[layer, r].tolist() + selection[i].tolist() + [int(opened[i])]
+        missing = [x for x in torch.randperm(3 * width, generator=gen).tolist() if x not in held]
+        for c in (selection[i] < 0).nonzero().flatten().tolist()[: len(missing)]:
+            if torch.rand((), generator=gen) < 0.6:
+                selection[i, c] = missing.pop()
+    predicted = torch.rand(slot_of.shape, generator=gen) < 0.5
+    fresh = torch.rand(b, generator=gen) < 0.7
+    columns = torch.randperm(8, generator=gen)[: len(COUNTERS)]
+    residency = (selection, slot_of, predicted, rows, fresh, columns, layer, opened)
+    return residency, DraftWrite(kv, block_of, last_used, tail_slots, offset, k_new, v_new, torch.tensor(7))
+
+
+@pytest.mark.parametrize("b, width, k", [(1, 3, 1), (3, 5, 4), (4, 6, 9), (5, 9, 8), (4, 17, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fused_draft_write_equals_the_two_references(b, width, k, dtype, seed):
+    """One launch does the residency check and write_draft_kv with its output: the same output, counters,
+    tables and K/V pool as resident_selection_reference then write_draft_kv_reference."""
+    residency, draft = fused_case(b, width, k, dtype, seed + 10 * b)
+    results = []
+    for fused in (True, False):
+        selection, slot_of, predicted, rows, fresh, columns, layer, opened = (
+            t.clone().to(DEV) if isinstance(t, torch.Tensor) else t for t in residency)
+        d = DraftWrite(*(t.clone().to(DEV) for t in draft))
+        counts = (torch.zeros(6, 8, dtype=torch.int64, device=DEV), torch.zeros(3, 8, dtype=torch.int64, device=DEV))
+        args = (selection, slot_of, predicted, rows, fresh, *counts, columns, layer, opened)
+        if fused:
+            out = resident_selection(*args, draft=d)
+        else:
+            out = resident_selection_reference(*args)
+            write_draft_kv_reference(*d.arguments(slot_of, layer, rows, opened, out))
+        results.append([t.cpu() for t in (out, *counts, slot_of, d.block_of, d.last_used, d.kv_layer)])
+    assert (residency[-1] >= 0).any()
+    for name, got, want in zip(("attended", "row_counts", "layer_counts", "slot_of", "block_of", "last_used", "kv"),
+                               *results):
+        assert torch.equal(got, want), name
+
+
+def test_fused_draft_write_bad_inputs_raise():
+    (selection, slot_of, predicted, rows, fresh, columns, layer, opened), draft = fused_case(3, 5, 4,
+                                                                                          torch.float32, 0)
+    counts = (torch.zeros(6, 8, dtype=torch.int64), torch.zeros(3, 8, dtype=torch.int64))
+    args = (selection, slot_of, predicted, rows, fresh, *counts, columns, layer)
+    with pytest.raises(ValueError, match="draft needs extra"):
+        resident_selection(*args, draft=draft)
+    with pytest.raises(ValueError, match="k must be"):
+        resident_selection(*args, opened, draft=draft._replace(k=draft.k[:, :1]))
+
+
+def test_fused_kernel_compiles_for_the_h200():
+    # as tests/test_kernel_draft_kv.py's: the GPU lowering of the residency check with the draft's placement,
+    # compiled for sm_90 without the interpreter, at the headline width (129 slots) and selection (128 blocks)
+    code = ("from oasiskv.kernels.residency import compile_for\n"
+            "assert compile_for(90, 129, 128).asm['cubin']\n")
+    run_without_interpreter(code)

@@ -5,8 +5,6 @@ last_used, protected blocks), all three tables and all outputs must be exactly e
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
@@ -18,7 +16,7 @@ from oasiskv.kernels.ws_place import fused_place_runs, place_fused  # noqa: E402
 from oasiskv.kv.working_set import WorkingSet  # noqa: E402
 
 CPU = torch.device("cpu")
-from tests.kernel_device import DEV  # noqa: E402  (the fused side runs where the kernel runs)
+from tests.kernel_device import DEV, run_without_interpreter  # noqa: E402  (the fused side runs where the kernel runs)
 
 
 def on_dev(*args):
@@ -189,9 +187,7 @@ def test_compiles_for_the_h200():
     code = ("from oasiskv.kernels.ws_place import compile_for\n"
             "for width, k in ((129, 128), (1025, 6)):\n"
             "    assert compile_for(90, width, k).asm['cubin']\n")
-    env = {n: v for n, v in os.environ.items() if n != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_without_interpreter(code)
 
 
 def test_bad_input_is_refused():

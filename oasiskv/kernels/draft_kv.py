@@ -16,22 +16,40 @@ K/V write. Tables (spare column last):
 The Triton kernel runs on CUDA tensors and under TRITON_INTERPRET=1; the torch twin elsewhere."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from oasiskv.kernels.ws_place import check_tables
 
-__all__ = ["write_draft_kv", "write_draft_kv_reference"]
+__all__ = ["DraftWrite", "place_draft_row", "write_draft_kv", "write_draft_kv_reference"]
 
 
 @triton.jit
-def _draft_kv_kernel(kv_ptr, slot_of_ptr, block_of_ptr, used_ptr, rows_ptr, tail_ptr, opened_ptr, offset_ptr,
-                     att_ptr, k_ptr, v_ptr, step_ptr, layer, s_sl, s_sr, s_bl, s_br, s_ul, s_ur, s_att, s_kv_slot,
-                     s_k, K, W,
+def _draft_kv_kernel(slot_of_ptr, rows_ptr, opened_ptr, att_ptr, layer, s_sl, s_sr, s_att, K,
+                     kv_ptr, block_of_ptr, used_ptr, tail_ptr, offset_ptr, k_ptr, v_ptr, step_ptr,
+                     s_bl, s_br, s_ul, s_ur, s_kv_slot, s_k, W, BLOCK_K: tl.constexpr,
                      KV_HALF: tl.constexpr, TOKEN: tl.constexpr, TOKEN_PAD: tl.constexpr, BLOCK_W: tl.constexpr,
-                     BLOCK_K: tl.constexpr, IDX_BITS: tl.constexpr, KEEP_CODE: tl.constexpr):
+                     IDX_BITS: tl.constexpr, KEEP_CODE: tl.constexpr):
     b = tl.program_id(0)
+    kk = tl.arange(0, BLOCK_K)
+    attended = tl.load(att_ptr + b * s_att + kk, mask=kk < K, other=-1)
+    place_draft_row(b, attended, slot_of_ptr, rows_ptr, opened_ptr, layer, s_sl, s_sr,
+                    kv_ptr, block_of_ptr, used_ptr, tail_ptr, offset_ptr, k_ptr, v_ptr, step_ptr,
+                    s_bl, s_br, s_ul, s_ur, s_kv_slot, s_k, W, KV_HALF, TOKEN, TOKEN_PAD, BLOCK_W, IDX_BITS, KEEP_CODE)
+
+
+@triton.jit
+def place_draft_row(b, attended, slot_of_ptr, rows_ptr, opened_ptr, layer, s_sl, s_sr,
+                    kv_ptr, block_of_ptr, used_ptr, tail_ptr, offset_ptr, k_ptr, v_ptr, step_ptr,
+                    s_bl, s_br, s_ul, s_ur, s_kv_slot, s_k, W,
+                    KV_HALF: tl.constexpr, TOKEN: tl.constexpr, TOKEN_PAD: tl.constexpr, BLOCK_W: tl.constexpr,
+                    IDX_BITS: tl.constexpr, KEEP_CODE: tl.constexpr):
+    """Row b's placement and K/V write (the module docstring). `attended`: the row's protected blocks, a register
+    vector of any power-of-two length >= 2 padded with -1. Called by _draft_kv_kernel and, after the residency
+    check, by kernels/residency.py's fused kernel."""
     row = tl.load(rows_ptr + b).to(tl.int64)
     opened = tl.load(opened_ptr + b).to(tl.int64)
     slot = tl.load(tail_ptr + b).to(tl.int64)
@@ -45,13 +63,13 @@ def _draft_kv_kernel(kv_ptr, slot_of_ptr, block_of_ptr, used_ptr, rows_ptr, tail
         else:
             j = tl.arange(0, BLOCK_W)
             held = tl.load(block_row + j, mask=j < W, other=-1)
-            kk = tl.arange(0, BLOCK_K)
-            attended = tl.load(att_ptr + b * s_att + kk, mask=kk < K, other=-1)
             listed = tl.max((held[:, None] == attended[None, :]).to(tl.int32), axis=1) != 0
             keep = (held >= 0) & listed
             used = tl.load(used_row + j, mask=j < W, other=0)
             code = tl.where(held < 0, 0, used + 1)  # an empty slot first, then by last use
             code = tl.where(keep | (j >= W), KEEP_CODE, code)
+            # every store below depends on `victim`, a reduction over all lanes of values that depend on all of
+            # `attended`: a caller's loads from slot_of that `attended` was computed from are complete before them
             victim = tl.min((code << IDX_BITS) | j.to(tl.int64), axis=0) & (BLOCK_W - 1)
             old = tl.load(block_row + victim)
             if old >= 0:
@@ -68,30 +86,60 @@ def _draft_kv_kernel(kv_ptr, slot_of_ptr, block_of_ptr, used_ptr, rows_ptr, tail
     tl.store(base + KV_HALF, tl.load(v_ptr + b * s_k + e, mask=m), mask=m)
 
 
+class DraftWrite(NamedTuple):
+    """write_draft_kv's arguments but those a residency check shares with it (slot_of, layer, rows; its extra
+    column is `opened` and its output `attended`): what kernels/residency.py needs to do the write too."""
+    kv_layer: torch.Tensor
+    block_of: torch.Tensor
+    last_used: torch.Tensor
+    tail_slots: torch.Tensor
+    offset: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    step: torch.Tensor
+
+    def arguments(self, slot_of, layer: int, rows, opened, attended) -> tuple:
+        """write_draft_kv's positional arguments."""
+        return (self.kv_layer, slot_of, self.block_of, self.last_used, layer, rows, self.tail_slots, opened,
+                self.offset, attended, self.k, self.v, self.step)
+
+    def launch_args(self) -> tuple[tuple, dict]:
+        """place_draft_row's arguments from kv_ptr on (a launch's runtime values, then its constants)."""
+        b, width = len(self.tail_slots), self.block_of.shape[2] - 1
+        k, v = self.k.reshape(b, -1).contiguous(), self.v.reshape(b, -1).contiguous()
+        values = (self.kv_layer, self.block_of, self.last_used, self.tail_slots.contiguous(), self.offset.contiguous(),
+                  k, v, self.step, self.block_of.stride(0), self.block_of.stride(1), self.last_used.stride(0),
+                  self.last_used.stride(1), self.kv_layer.stride(0), k.stride(0), width)
+        return values, placement_constants(width, k.shape[1], self.kv_layer.stride(1))
+
+
+def placement_constants(width: int, token: int, kv_half: int) -> dict:
+    """place_draft_row's compile-time arguments: `token` values per K (Hkv * D), `kv_half` elements from a
+    slot's K to its V."""
+    block_w = max(2, triton.next_power_of_2(width))
+    idx_bits = block_w.bit_length() - 1
+    return dict(KV_HALF=kv_half, TOKEN=token, TOKEN_PAD=triton.next_power_of_2(token), BLOCK_W=block_w,
+                IDX_BITS=idx_bits, KEEP_CODE=(1 << (62 - idx_bits)) - 1)
+
+
 def write_draft_kv(kv_layer, slot_of, block_of, last_used, layer: int, rows, tail_slots, opened, offset, attended,
                    k, v, step) -> None:
     """See the module docstring; in place on kv_layer and the three tables. `rows` long [B], `tail_slots`
     int [B], `opened` int32 [B], `offset` int [B], `attended` int32 [B, K] (-1 = none), `k`/`v` [B, Hkv, D],
     `step` a 0-d int64 tensor."""
-    _check(kv_layer, slot_of, block_of, last_used, layer, rows, tail_slots, opened, offset, attended, k, v, step)
+    check_draft_kv(kv_layer, slot_of, block_of, last_used, layer, rows, tail_slots, opened, offset, attended, k, v,
+                   step)
     if not (kv_layer.is_cuda or type(_draft_kv_kernel).__name__ == "InterpretedFunction"):
         return write_draft_kv_reference(kv_layer, slot_of, block_of, last_used, layer, rows, tail_slots, opened,
                                         offset, attended, k, v, step)
-    b, width = len(rows), block_of.shape[2] - 1
-    if b == 0:
+    if len(rows) == 0:
         return None
-    k, v = k.reshape(b, -1).contiguous(), v.reshape(b, -1).contiguous()
-    attended = attended.contiguous()
-    rows, tail_slots, opened, offset = (t.contiguous() for t in (rows, tail_slots, opened, offset))  # read as [b]
-    block_w = max(2, triton.next_power_of_2(width))
-    idx_bits = block_w.bit_length() - 1
-    _draft_kv_kernel[(b,)](
-        kv_layer, slot_of, block_of, last_used, rows, tail_slots, opened, offset, attended, k, v, step, layer,
-        slot_of.stride(0), slot_of.stride(1), block_of.stride(0), block_of.stride(1), last_used.stride(0),
-        last_used.stride(1), attended.stride(0), kv_layer.stride(0), k.stride(0), attended.shape[1], width,
-        KV_HALF=kv_layer.stride(1), TOKEN=k.shape[1], TOKEN_PAD=triton.next_power_of_2(k.shape[1]), BLOCK_W=block_w,
-        BLOCK_K=max(2, triton.next_power_of_2(attended.shape[1])), IDX_BITS=idx_bits,
-        KEEP_CODE=(1 << (62 - idx_bits)) - 1, num_warps=4)
+    attended, rows, opened = attended.contiguous(), rows.contiguous(), opened.contiguous()  # read as [b]
+    values, constants = DraftWrite(kv_layer, block_of, last_used, tail_slots, offset, k, v, step).launch_args()
+    _draft_kv_kernel[(len(rows),)](
+        slot_of, rows, opened, attended, layer, slot_of.stride(0), slot_of.stride(1), attended.stride(0),
+        attended.shape[1], *values, BLOCK_K=max(2, triton.next_power_of_2(attended.shape[1])), **constants,
+        num_warps=4)
     return None
 
 
@@ -123,7 +171,9 @@ def write_draft_kv_reference(kv_layer, slot_of, block_of, last_used, layer: int,
     return None
 
 
-def _check(kv_layer, slot_of, block_of, last_used, layer, rows, tail_slots, opened, offset, attended, k, v, step):
+def check_draft_kv(kv_layer, slot_of, block_of, last_used, layer, rows, tail_slots, opened, offset, attended, k, v,
+                   step) -> None:
+    """write_draft_kv's input checks (kernels/residency.py uses them too)."""
     if kv_layer.dim() != 5 or kv_layer.shape[1] != 2 or not kv_layer[0].is_contiguous():
         raise ValueError(f"kv_layer must be [slots, 2, block_size, Hkv, D], contiguous within a slot, "
                          f"got {tuple(kv_layer.shape)}")
@@ -151,23 +201,27 @@ def _check(kv_layer, slot_of, block_of, last_used, layer, rows, tail_slots, open
             raise ValueError(f"{name} is on {t.device}, kv_layer on {kv_layer.device}")
 
 
-_POINTERS = {"kv_ptr": "*fp16", "slot_of_ptr": "*i32", "block_of_ptr": "*i32", "used_ptr": "*i64", "rows_ptr": "*i64",
-             "tail_ptr": "*i32", "opened_ptr": "*i32", "offset_ptr": "*i64", "att_ptr": "*i32", "k_ptr": "*fp16",
-             "v_ptr": "*fp16", "step_ptr": "*i64"}
+POINTERS = {"kv_ptr": "*fp16", "slot_of_ptr": "*i32", "block_of_ptr": "*i32", "used_ptr": "*i64", "rows_ptr": "*i64",
+            "tail_ptr": "*i32", "opened_ptr": "*i32", "offset_ptr": "*i64", "att_ptr": "*i32", "k_ptr": "*fp16",
+            "v_ptr": "*fp16", "step_ptr": "*i64"}  # as the engine passes them, for compile_ahead
 
 
 def compile_for(arch: int, width: int, k: int, token: int = 1024, block_size: int = 16):
-    """Compiles the kernel ahead of time for CUDA compute capability `arch` (90: H100/H200) with no GPU present
-    (Triton's bundled ptxas): checks the GPU lowering the interpreter cannot. Needs TRITON_INTERPRET unset."""
+    """_draft_kv_kernel compiled by compile_ahead, for `width` slots per row, `k` attended blocks, `token`
+    values per K (Hkv * D) and `block_size` tokens per block."""
+    meta = dict(BLOCK_K=max(2, triton.next_power_of_2(k)), **placement_constants(width, token, block_size * token))
+    return compile_ahead(_draft_kv_kernel, POINTERS, meta, arch)
+
+
+def compile_ahead(kernel, pointers: dict[str, str], meta: dict, arch: int):
+    """Compiles `kernel` ahead of time for CUDA compute capability `arch` (90: H100/H200) with no GPU present
+    (Triton's bundled ptxas), 4 warps: checks the GPU lowering the interpreter cannot. `pointers`: the types
+    of its pointer arguments; `meta`: its constants; the others are int32. Needs TRITON_INTERPRET unset."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource
 
-    block_w = max(2, triton.next_power_of_2(width))
-    idx_bits = block_w.bit_length() - 1
-    meta = dict(KV_HALF=block_size * token, TOKEN=token, TOKEN_PAD=triton.next_power_of_2(token), BLOCK_W=block_w,
-                BLOCK_K=max(2, triton.next_power_of_2(k)), IDX_BITS=idx_bits, KEEP_CODE=(1 << (62 - idx_bits)) - 1)
-    names = _draft_kv_kernel.arg_names
-    signature = {n: _POINTERS.get(n, "constexpr" if n in meta else "i32") for n in names}
+    names = kernel.arg_names
+    signature = {n: pointers.get(n, "constexpr" if n in meta else "i32") for n in names}
     constexprs = {(names.index(n),): v for n, v in meta.items()}
-    return triton.compile(ASTSource(_draft_kv_kernel, signature, constexprs), target=GPUTarget("cuda", arch, 32),
+    return triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": 4})

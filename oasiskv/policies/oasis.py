@@ -27,7 +27,7 @@ import torch
 
 from oasiskv.kernels.block_select import block_scores_multi, block_scores_multi_reference
 from oasiskv.kernels.block_topk import predict_prefetch, predict_prefetch_reference
-from oasiskv.kernels.draft_kv import write_draft_kv, write_draft_kv_reference
+from oasiskv.kernels.draft_kv import DraftWrite, write_draft_kv, write_draft_kv_reference
 from oasiskv.kernels.residency import COUNTERS as RESIDENCY_COUNTERS
 from oasiskv.kernels.residency import resident_selection, resident_selection_reference
 from oasiskv.kernels.paged_decode import paged_decode_attention, paged_decode_reference
@@ -212,8 +212,11 @@ class OasisPolicy(TieredPolicy):
         draft_kv = (k[real:], v[real:])
         tail_slots = self.write_tail(layer, k[:nd], v[:nd], draft_kv if together else None)
         dense = self.is_dense_layer(layer)
-        attended, draft_scores = self.resident_selection(layer, q, dense)  # its last column: the opened blocks
-        if not together:
+        # when no miss is fetched, x_t's attended blocks are known at the residency check: one launch does both
+        fused = not together and not self.fetches(dense)
+        draft = self.draft_write(layer, tail_slots, *draft_kv) if fused else None
+        attended, draft_scores = self.resident_selection(layer, q, dense, draft)  # last column: the opened blocks
+        if not (together or fused):
             self.write_draft_kv(layer, tail_slots, attended, *draft_kv)
         with self.timer("attention"):
             self.attend_with_draft(layer, q, out, attended, dense)
@@ -264,11 +267,18 @@ class OasisPolicy(TieredPolicy):
         compute.wait_event(done)
         self.clock.close("prefetch_exposed", start, compute)
 
-    def resident_selection(self, layer, q, dense) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def fetches(self, dense: bool) -> bool:
+        """Whether resident_selection fetches misses in this layer: cold-start ones, or all of them (the "fetch"
+        policy, dense layers)."""
+        return dense or self.cfg.miss_policy == "fetch" or self.any_cold
+
+    def resident_selection(self, layer, q, dense,
+                           draft: DraftWrite | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x_t's selection restricted to what is resident once cold-start (and, with the "fetch"
         policy, all) misses are fetched: int32 [B, K + 1], -1 where a selected block is left out, the last
         column the block each draft opens (or -1); and the draft's block scores for the group's prediction
-        (None on dense layers). `q`: all of the step's rows."""
+        (None on dense layers). `q`: all of the step's rows. With `draft` (only where nothing is fetched) the
+        drafts' K/V are written too, in the same launch on the GPU."""
         draft_scores = None
         if dense:  # every block; no prediction is made for dense layers, so no agreement either
             selection, judged = self.rows_now.every_block, torch.zeros_like(self.fresh)
@@ -280,10 +290,10 @@ class OasisPolicy(TieredPolicy):
         check = resident_selection if self.cuda else resident_selection_reference  # + selected/hit/miss/agreement
         opened = self.rows_now.opened
         attended = check(selection, self.ws._slot_of, self.predicted, self.rows, judged, self.row_counts[0],
-                         self.layer_counts[0], self.residency_counters, layer, opened)
-        fetch_all = dense or self.cfg.miss_policy == "fetch"
-        if not (fetch_all or self.any_cold):  # nothing to fetch: misses are left out
+                         self.layer_counts[0], self.residency_counters, layer, opened, draft)
+        if not self.fetches(dense):  # misses are left out
             return attended, draft_scores
+        fetch_all = dense or self.cfg.miss_policy == "fetch"
         fetch_rows = torch.ones_like(self.cold) if fetch_all else self.cold
         resident = attended[:, :-1]
         need = torch.where((selection >= 0) & (resident < 0) & fetch_rows[:, None], selection, -1)
@@ -326,10 +336,15 @@ class OasisPolicy(TieredPolicy):
         a slot now, never one of x_t's attended blocks, and resident for the next step). One launch on
         the GPU. `attended` may list the opened blocks too (resident_selection's last column): a block
         without a slot is held by none, so protecting it changes nothing."""
-        rows, ws = self.rows_now, self.ws
         write = write_draft_kv if self.cuda else write_draft_kv_reference
-        write(self.pool.layer(layer), ws._slot_of, ws._block_of, ws._last_used, layer, self.rows, tail_slots,
-              rows.opened, rows.draft_offset, attended, k, v, self.step_tensor)
+        write(*self.draft_write(layer, tail_slots, k, v).arguments(self.ws._slot_of, layer, self.rows,
+                                                                   self.rows_now.opened, attended))
+
+    def draft_write(self, layer, tail_slots, k, v) -> DraftWrite:
+        """write_draft_kv's arguments that resident_selection does not have."""
+        ws = self.ws
+        return DraftWrite(self.pool.layer(layer), ws._block_of, ws._last_used, tail_slots, self.rows_now.draft_offset,
+                          k, v, self.step_tensor)
 
     def predict_and_prefetch(self, rows: DraftRows) -> None:
         """The draft's selection is the prediction for the next step; its missing blocks are gathered,
