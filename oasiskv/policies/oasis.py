@@ -86,8 +86,9 @@ class OasisPolicy(TieredPolicy):
     PREFETCH_PROGRAMS = 16
     # in a captured step, the prediction of the groups that end in the last TAIL_LAYERS layers runs after the
     # step (capture_tail), so the step's graph need not wait for their copies (0: none deferred). H200, qwen3-8b
-    # 16K: 12 layers beat 6 at b16 and b43 (docs/BENCHMARKS.md, twelfth session)
-    TAIL_LAYERS = 2 * PREDICT_GROUP
+    # 16K, b16: 6 layers beat 12 once the host's work between steps shrank (its tail outlasts that work and the
+    # next replay waits); at b43 the two tie (docs/BENCHMARKS.md, thirteenth and fourteenth sessions)
+    TAIL_LAYERS = PREDICT_GROUP
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)

@@ -38,7 +38,7 @@ class TieredRows(DecodeRows):
 class TieredPolicy(SparsePolicy):
     COUNTERS = ("selected_blocks", "hits", "misses", "fetched_blocks", "tail_fetches")
     counts_selections = False  # "selected_blocks" is one of COUNTERS
-    STEP_TENSORS = ("rows", "host_tables")
+    STEP_TENSORS = ("rows",)
 
     def __init__(self, pool: KVPool, host: HostStore, working_set: WorkingSet, kv_cfg: KVConfig,
                  summaries: BlockSummaries, block_size: int, scale: float, device: torch.device,
@@ -68,6 +68,7 @@ class TieredPolicy(SparsePolicy):
         # (oasis) gives it its own tensor, written on that stream
         self.copy_step = self.step_tensor
         self.upload = StepUpload(device)  # the step's row lists, without a pageable copy
+        self._host_tables: torch.Tensor | None = None  # host_tables of this step, once made
 
     # -- counters (on the device; read only by stats and at release) ------------------------------
     def count(self, name: str, per_row: torch.Tensor, lane: int = 0) -> None:
@@ -135,10 +136,17 @@ class TieredPolicy(SparsePolicy):
         self.step_buffer, views = self.upload(list(arrays.values()))
         for name, t in zip(arrays, views):
             setattr(self, name, t)
-        # host tables one column wider: room for the block a draft token opens (scored, never fetched)
-        tables = meta.decode_block_tables
-        self.host_tables = torch.nn.functional.pad(tables, (0, 1))  # one launch
+        self._host_tables = None
         self.tails_resident = False  # retrieval re-checks every step; oasis knows when they are
+
+    @property
+    def host_tables(self) -> torch.Tensor:
+        """The decode block tables one column wider: room for the block a draft token opens (scored, never
+        fetched). Made at the first use in a step, so a captured step makes it inside its graph from the
+        reloaded tables (no launch and no copy before the replay)."""
+        if self._host_tables is None:
+            self._host_tables = torch.nn.functional.pad(self.meta.decode_block_tables, (0, 1))
+        return self._host_tables
 
     def step_arrays(self, meta) -> dict[str, np.ndarray]:
         """The step's tensors made on the host, by attribute name: sent in one copy (step_buffer)."""
