@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from oasiskv.kernels.aot import compile_ahead
 from oasiskv.kernels.ws_place import check_tables
 
 __all__ = ["DraftWrite", "place_draft_row", "write_draft_kv", "write_draft_kv_reference"]
@@ -203,25 +204,11 @@ def check_draft_kv(kv_layer, slot_of, block_of, last_used, layer, rows, tail_slo
 
 POINTERS = {"kv_ptr": "*fp16", "slot_of_ptr": "*i32", "block_of_ptr": "*i32", "used_ptr": "*i64", "rows_ptr": "*i64",
             "tail_ptr": "*i32", "opened_ptr": "*i32", "offset_ptr": "*i64", "att_ptr": "*i32", "k_ptr": "*fp16",
-            "v_ptr": "*fp16", "step_ptr": "*i64"}  # as the engine passes them, for compile_ahead
+            "v_ptr": "*fp16", "step_ptr": "*i64"}  # as the engine passes them, for compile_for
 
 
 def compile_for(arch: int, width: int, k: int, token: int = 1024, block_size: int = 16):
-    """_draft_kv_kernel compiled by compile_ahead, for `width` slots per row, `k` attended blocks, `token`
-    values per K (Hkv * D) and `block_size` tokens per block."""
+    """_draft_kv_kernel compiled ahead of time (kernels/aot.py) for `width` slots per row, `k` attended blocks,
+    `token` values per K (Hkv * D) and `block_size` tokens per block."""
     meta = dict(BLOCK_K=max(2, triton.next_power_of_2(k)), **placement_constants(width, token, block_size * token))
     return compile_ahead(_draft_kv_kernel, POINTERS, meta, arch)
-
-
-def compile_ahead(kernel, pointers: dict[str, str], meta: dict, arch: int):
-    """Compiles `kernel` ahead of time for CUDA compute capability `arch` (90: H100/H200) with no GPU present
-    (Triton's bundled ptxas), 4 warps: checks the GPU lowering the interpreter cannot. `pointers`: the types
-    of its pointer arguments; `meta`: its constants; the others are int32. Needs TRITON_INTERPRET unset."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler.compiler import ASTSource
-
-    names = kernel.arg_names
-    signature = {n: pointers.get(n, "constexpr" if n in meta else "i32") for n in names}
-    constexprs = {(names.index(n),): v for n, v in meta.items()}
-    return triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": 4})

@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from oasiskv.kernels.draft_kv import (POINTERS as DRAFT_POINTERS, DraftWrite, check_draft_kv, compile_ahead,
+from oasiskv.kernels.aot import compile_ahead
+from oasiskv.kernels.draft_kv import (POINTERS as DRAFT_POINTERS, DraftWrite, check_draft_kv,
                                       place_draft_row, placement_constants, write_draft_kv, write_draft_kv_reference)
 
 __all__ = ["COUNTERS", "DraftWrite", "resident_selection", "resident_selection_reference"]
@@ -105,7 +106,8 @@ def _check(selection, slot_of, predicted, rows, fresh, row_counts, layer_counts,
     if slot_of.dim() != 3 or slot_of.dtype != torch.int32:
         raise ValueError(f"slot_of must be int32 [layers, rows, blocks], got {slot_of.dtype} {tuple(slot_of.shape)}")
     if predicted.shape != slot_of.shape or predicted.dtype != torch.bool:
-        raise ValueError(f"predicted must be bool {tuple(slot_of.shape)}, got {predicted.dtype} {tuple(predicted.shape)}")
+        raise ValueError(f"predicted must be bool {tuple(slot_of.shape)}, "
+                         f"got {predicted.dtype} {tuple(predicted.shape)}")
     if rows.shape != (b,) or fresh.shape != (b,) or fresh.dtype != torch.bool:
         raise ValueError(f"rows and fresh (bool) must be [{b}], got {tuple(rows.shape)} and {tuple(fresh.shape)}")
     if row_counts.dim() != 2 or layer_counts.dim() != 2 or row_counts.dtype != torch.int64 \
@@ -188,7 +190,7 @@ _POINTERS = {"sel_ptr": "*i32", "slot_ptr": "*i32", "pred_ptr": "*u8", "rows_ptr
 
 
 def compile_for(arch: int, width: int, k: int, token: int = 1024, block_size: int = 16):
-    """_resident_draft_kernel compiled by kernels/draft_kv.py's compile_ahead, for a selection of `k` blocks,
+    """_resident_draft_kernel compiled ahead of time (kernels/aot.py), for a selection of `k` blocks,
     `width` slots per row, `token` values per K (Hkv * D) and `block_size` tokens per block."""
     meta = dict(K_PAD=max(2, triton.next_power_of_2(k)), **placement_constants(width, token, block_size * token))
     return compile_ahead(_resident_draft_kernel, _POINTERS, meta, arch)

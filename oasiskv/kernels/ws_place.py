@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from oasiskv.kernels.aot import compile_ahead
+
 __all__ = ["place_fused", "fused_place_runs"]
 
 
@@ -167,17 +169,9 @@ def compile_for(arch: int, width: int, k: int, copies: bool = True):
     """Compiles the kernel ahead of time for CUDA compute capability `arch` (90: H100/H200) with no GPU
     present (Triton's bundled ptxas), per-row layers and a device step: checks that the GPU lowering
     (sort, gather, cumsum) builds where the interpreter cannot tell. Needs TRITON_INTERPRET unset."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler.compiler import ASTSource
-
     meta = _meta(width, k, True, True, copies, copies)
     warps = meta.pop("num_warps")
-    names = _ws_place_kernel.arg_names
-    signature = {n: _POINTERS.get(n, "constexpr" if n in meta else "i64" if n == "step_val" else "i32")
-                 for n in names}
-    constexprs = {(names.index(n),): v for n, v in meta.items()}
-    return triton.compile(ASTSource(_ws_place_kernel, signature, constexprs), target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": warps})
+    return compile_ahead(_ws_place_kernel, _POINTERS, meta, arch, warps, scalars={"step_val": "i64"})
 
 
 def check_tables(slot_of, block_of, last_used) -> None:
