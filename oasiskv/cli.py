@@ -35,6 +35,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--schedule-policy", default=SCHED_DEFAULTS.schedule_policy, choices=SCHEDULE_POLICIES,
                    help="mixed: decodes run every step beside prefill chunks; prefill-first: decodes wait while "
                         "prompts can be admitted or prefills are unfinished (pure decode steps replay CUDA graphs)")
+    g.add_argument("--async-scheduling", action="store_true", default=SCHED_DEFAULTS.async_scheduling,
+                   help="plan and launch each step while the last runs on the GPU (greedy requests; the host's "
+                        "work per step is then hidden behind the GPU's)")
     g.add_argument("--enforce-eager", action="store_true", default=ENGINE_DEFAULTS.enforce_eager,
                    help="never replay CUDA graphs (on the GPU, decode-only steps replay them by default)")
     k = p.add_argument_group("sparse KV")
@@ -88,7 +91,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         gpu_memory_gb=args.gpu_memory_gb, kv_cache_gb=args.kv_cache_gb,
                         num_kv_blocks=args.num_kv_blocks)
     sched = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                            max_model_len=args.max_model_len, schedule_policy=args.schedule_policy)
+                            max_model_len=args.max_model_len, schedule_policy=args.schedule_policy,
+                            async_scheduling=args.async_scheduling)
     draft, draft_model = draft_args(args)
     kv = KVConfig(mode=args.kv_mode, budget=args.kv_budget, sink_blocks=args.sink_blocks,
                   local_blocks=args.local_blocks, dense_layers=args.dense_layers, host_kv_gb=args.host_kv_gb,

@@ -218,6 +218,9 @@ class SchedulerConfig:
     # prefill-first: while a prompt can be admitted or a prefill is unfinished, steps run prefill chunks
     # only and decodes wait (SGLang's default); decode steps then stay pure, and replay CUDA graphs
     schedule_policy: str = "mixed"
+    # plan and launch step t+1 while step t runs on the GPU; its input tokens are filled on the device
+    # (engine/overlap.py). Greedy requests only: a step with a sampled one waits for the last
+    async_scheduling: bool = False
 
     def __post_init__(self):
         if self.schedule_policy not in SCHEDULE_POLICIES:

@@ -25,11 +25,15 @@ COUNTERS = ("kv_selected_blocks", "kv_hits", "kv_misses", "kv_prefetched_blocks"
             "kv_agree_hits", "kv_agree_total")
 
 
-def engine_for(args, mode: str, eager: bool, dtype: str, context: int, steps: int, **kv) -> LLMEngine:
+def engine_for(args, mode: str, eager: bool, dtype: str, context: int, steps: int, overlap: bool | None = None,
+               **kv) -> LLMEngine:
+    """overlap: --async-scheduling (default: args.async_scheduling, if the script has it)."""
+    overlap = getattr(args, "async_scheduling", False) if overlap is None else overlap
     cfg = EngineConfig(model=args.model, load_format="dummy", dtype=dtype, show_progress=False, enforce_eager=eager,
                        kv=KVConfig(mode=mode, budget=args.budget, host_kv_gb=args.host_gb, **kv),
                        cache=CacheConfig(gpu_memory_gb=args.gpu_gb),
-                       scheduler=SchedulerConfig(max_num_batched_tokens=16384, max_model_len=context + steps + 64))
+                       scheduler=SchedulerConfig(max_num_batched_tokens=16384, max_model_len=context + steps + 64,
+                                                 async_scheduling=overlap))
     return LLMEngine(cfg)
 
 
@@ -91,28 +95,51 @@ def check(args) -> bool:
         print(line, flush=True)
     for draft in filter(None, args.check_drafts.split(",")):
         ok &= check_draft(args, prompts, draft)
+    for mode in filter(None, args.check_async.split(",")):
+        ok &= check_async(args, prompts, mode)
     return ok
+
+
+def check_async(args, prompts, mode: str) -> bool:
+    """--async-scheduling against the synchronous engine, both replaying graphs (oasis: --draft ngram, drafted on
+    the device, at the default cap): the same tokens and counters."""
+    (sync_tokens, sync_stats), (async_tokens, async_stats) = generate_twice(
+        args, prompts, lambda overlap: engine_for(args, mode, False, "float32", args.context, args.steps, overlap))
+    keys = COUNTERS + ("draft_tokens", "draft_tokens_right", "decode_tokens")
+    same = sync_tokens == async_tokens and all(sync_stats.get(k) == async_stats.get(k) for k in keys)
+    line = (f"{mode:10s} async == sync tokens and counters: {same}  replays {async_stats.get('cuda_graph_replays')} "
+            f"(sync {sync_stats.get('cuda_graph_replays')})")
+    print(line + ("" if same else counter_lines(keys, sync=sync_stats, async_=async_stats)), flush=True)
+    return same
+
+
+def generate_twice(args, prompts, make_engine) -> list:
+    """generate() with make_engine(False), then with make_engine(True), each engine freed after its run."""
+    runs = []
+    for flag in (False, True):
+        engine = make_engine(flag)
+        runs.append(generate(engine, prompts, args.steps))
+        del engine
+        torch.cuda.empty_cache()
+    return runs
+
+
+def counter_lines(keys, **stats) -> str:
+    return "".join(f"\n    {name:6s}" + str({k: s.get(k) for k in keys}) for name, s in stats.items())
 
 
 def check_draft(args, prompts, draft: str) -> bool:
     """Oasis with a real draft source at the default cap: graph and eager steps give the same tokens, counters
     and drafts (for --draft target, the argmax of the draft rows that the captured step computes)."""
-    runs = {}
-    for eager in (True, False):
-        engine = engine_for(args, "oasis", eager, "float32", args.context, args.steps, draft=draft)
-        runs[eager] = generate(engine, prompts, args.steps)
-        del engine
-        torch.cuda.empty_cache()
-    (eager_tokens, eager_stats), (graph_tokens, graph_stats) = runs[True], runs[False]
+    (eager_tokens, eager_stats), (graph_tokens, graph_stats) = generate_twice(
+        args, prompts, lambda graph: engine_for(args, "oasis", not graph, "float32", args.context, args.steps,
+                                                draft=draft))
     keys = COUNTERS + ("draft_tokens", "draft_tokens_right")
     same = graph_tokens == eager_tokens and all(eager_stats.get(k) == graph_stats.get(k) for k in keys)
     line = (f"oasis, --draft {draft}: graph == eager tokens, counters and drafts: {same}  replays "
             f"{graph_stats.get('cuda_graph_replays')}  draft accuracy {graph_stats.get('draft_accuracy')}  "
             f"agreement {graph_stats.get('kv_agreement')}")
-    if not same:
-        line += "\n    eager " + str({k: eager_stats.get(k) for k in keys})
-        line += "\n    graph " + str({k: graph_stats.get(k) for k in keys})
-    print(line, flush=True)
+    print(line + ("" if same else counter_lines(keys, eager=eager_stats, graph=graph_stats)), flush=True)
     return same
 
 
@@ -197,6 +224,8 @@ def main() -> None:
                    "opens a block in every step) and 1 aligns them (all drafts open together, once in 16 steps)")
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--check-modes", default="dense,quest,retrieval,oasis")
+    p.add_argument("--check-async", default="", help="modes to check with --async-scheduling against without "
+                   "(graphs replayed in both), e.g. quest,oasis")
     p.add_argument("--check-drafts", default="", help="oasis with these --draft sources too, graph against eager "
                    "(e.g. target,ngram)")
     p.add_argument("--json", default=None)

@@ -15,7 +15,7 @@ done
 python3 - "$OUT" "$PAIRS" <<'PY'
 import json, sys
 out, pairs, rows = sys.argv[1], int(sys.argv[2]), []
-host = lambda r: sum(v for k, v in r["host_ms_per_step"].items() if not k.startswith("sample"))
+host = lambda r: sum(v for k, v in r["host_ms_per_step"].items() if not k.startswith(("sample", "land")))
 for i in range(1, pairs + 1):
     try:
         q, o = (json.load(open(f"{out}/hp_{m}_{i}.json"))[0] for m in ("quest", "oasis"))

@@ -11,6 +11,7 @@ import torch
 from oasiskv.api import LLM, SamplingParams
 from oasiskv.config import CacheConfig, EngineConfig, KVConfig, SamplingParams as SP, SchedulerConfig
 from oasiskv.engine.engine import LLMEngine
+from oasiskv.lookahead.ngram import NgramDraft
 from oasiskv.lookahead.teacher import TeacherDraft
 from oasiskv.lookahead.draft_data import stdlib_prompts
 
@@ -261,9 +262,9 @@ def test_prediction_deferred_after_the_step_changes_nothing(tmp_path):
         policy, execute, deferred_groups = engine.policy, engine.runner.execute, []
         assert policy.tail_from == 0  # 3 layers: every group is in the tail
 
-        def forward_then_tail(plan, execute=execute):
+        def forward_then_tail(plan, pending=None, execute=execute):
             policy.deferring = deferred
-            result = execute(plan)
+            result = execute(plan, pending)
             policy.deferring = False
             groups, policy.deferred = policy.deferred, []
             deferred_groups.extend(groups)
@@ -284,3 +285,47 @@ def test_prediction_deferred_after_the_step_changes_nothing(tmp_path):
     (tokens, stats, blocks, predicted), (tokens_d, stats_d, blocks_d, predicted_d) = runs
     assert tokens == tokens_d and stats == stats_d and stats["kv_prefetched_blocks"] > 50
     assert torch.equal(blocks, blocks_d) and torch.equal(predicted, predicted_d)
+
+
+def test_device_ngram_drafts_are_the_host_ngram_drafts(tmp_path):
+    """--draft ngram drafts inside each step on the device (lookahead/device_ngram.py). The same run with the host's
+    NgramDraft gives the same draft in every decode step, so the same tokens, prefetches and counts. Prompts of a
+    4-token vocabulary, sampled: the lookup finds matches of every length, and the drafts steer the prefetch."""
+    gen = torch.Generator().manual_seed(11)
+    prompts = {str(i): torch.randint(0, 4, (60 + 45 * i,), generator=gen).tolist() for i in range(4)}
+    runs = []
+    for host in (False, True):
+        engine = tiny_engine(tmp_path, fetch_cap=0.25, draft="ngram")
+        assert engine.drafter.on_device and engine.runner.fill_inputs is not None
+        if host:
+            engine.drafter = NgramDraft()
+            assert engine.runner.fill_inputs is None
+        drafts = record_drafts(engine)
+        for rid, ids in prompts.items():
+            engine.add_request(ids, SP(temperature=1.0, top_k=4, seed=int(rid), max_tokens=40, ignore_eos=True),
+                               request_id=rid)
+        while engine.has_unfinished():
+            engine.step()
+        stats = engine.stats_dict()
+        counts = {k: v for k, v in stats.items() if k.startswith(("kv_", "draft_")) and "time" not in k}
+        runs.append(({rid: engine.requests[rid].output_token_ids for rid in prompts}, drafts, counts))
+    (tokens, drafts, counts), host_run = runs
+    assert len(drafts) == sum(len(t) - 1 for t in tokens.values()) == 156  # every decode step had a draft
+    assert drafts == host_run[1] and tokens == host_run[0] and counts == host_run[2]
+    assert 0 < counts["draft_tokens_right"] < counts["draft_tokens"]
+
+
+def record_drafts(engine: LLMEngine) -> dict[tuple[str, int], int]:
+    """(request, position of the draft) -> the draft token that ran there, as the runner's inputs held it."""
+    drafts, execute = {}, engine.runner.execute
+
+    def run(plan, pending=None):
+        result = execute(plan, pending)
+        decodes = [c for c in result.chunks if len(c.token_ids) == 1]
+        ran = result.draft_ids.tolist() if result.draft_ids is not None else [c.draft_token_id for c in decodes]
+        for c, d in zip(decodes, ran):
+            drafts[c.request_id, c.start + 1] = c.token_ids[0] if d is None else d
+        return result
+
+    engine.runner.execute = run
+    return drafts

@@ -25,6 +25,8 @@ class DecodeEngine(LLMEngine):
     def __init__(self, config: EngineConfig, disagg: DisaggConfig):
         if config.kv.mode != "oasis":
             raise ValueError("--role decode needs --kv-mode oasis")
+        if config.scheduler.async_scheduling:
+            raise ValueError("--role decode does not run with --async-scheduling yet")
         if config.kv.draft in HEAD_DRAFTS:
             raise ValueError(f"--role decode supports --draft ngram, repeat or target, not {config.kv.draft} (its EAGLE-3 "
                              "head would need the prompt's hidden states from the prefill instance)")
@@ -65,7 +67,10 @@ class DecodeEngine(LLMEngine):
         req.block_ids = self.allocator.allocate(need)
         self.remote.attach(req.request_id, p, req.block_ids, self.policy.summaries)
         req.num_computed_tokens = n
-        if not self.append_token(req, int(p["first_token_id"])) and self.drafter is not None:
+        if self.drafter is not None and self.drafter.on_device:  # its first decode drafts from the prompt
+            self.drafter.write_prompt(req.block_ids, req.prompt_token_ids)
+        if not self.append_token(req, int(p["first_token_id"])) and self.drafter is not None \
+                and not self.drafter.on_device:
             chunk = DraftChunk(req.request_id, 0, req.prompt_token_ids, req.token_slice(1, n + 1), 0, True,
                                req.tokens)
             req.draft_token_id = self.drafter.propose([chunk], []).get(req.request_id)

@@ -68,14 +68,17 @@ class DecodeGraphs:
         self.seen.clear()
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, capture_layers: tuple[int, ...],
-            guesses: bool = False) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None] | None:
+            guesses: bool = False, fill_inputs=None
+            ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None, torch.Tensor] | None:
         """Runs the step's forward pass from a graph: (logits of the decode rows, captured states, with `guesses`
-        the argmax of the draft rows' logits), or None when it must run eagerly. The policy's begin_step(meta)
-        has run."""
+        the argmax of the draft rows' logits, the ids the model read), or None when it must run eagerly. The
+        policy's begin_step(meta) has run. fill_inputs(ids, meta), if given, runs in the graph before the model
+        (it may rewrite ids in place: the draft rows)."""
         policy_key = self.policy.graph_key()
         if policy_key is None:
             return None
-        key = (len(ids), meta.num_decode, tuple(meta.decode_block_tables.shape), capture_layers, guesses) + policy_key
+        key = (len(ids), meta.num_decode, tuple(meta.decode_block_tables.shape), capture_layers, guesses,
+               fill_inputs is not None) + policy_key
         step = self.graphs.get(key)
         if step is None and key not in self.seen:
             self.seen.add(key)
@@ -84,19 +87,22 @@ class DecodeGraphs:
         # that load rewrites
         self.policy.before_replay()
         if step is None:
-            step = self.capture(key, ids, positions, meta, capture_layers, guesses)
+            step = self.capture(key, ids, positions, meta, capture_layers, guesses, fill_inputs)
         else:
             self.graphs.move_to_end(key)
             step.load(ids, positions, meta, self.policy)
         step.graph.replay()
         self.policy.replay_tail(step.tail)
         self.counts["cuda_graph_replays"] += 1
-        return step.logits, step.captured, step.guesses
+        return step.logits, step.captured, step.guesses, step.inputs["ids"]
 
-    def capture(self, key, ids, positions, meta, capture_layers, guesses: bool = False) -> CapturedStep:
+    def capture(self, key, ids, positions, meta, capture_layers, guesses: bool = False, fill_inputs=None
+                ) -> CapturedStep:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             self.policy.begin_capture()
+            if fill_inputs is not None:
+                fill_inputs(ids, meta)
             hidden, captured = self.model(ids, positions, self.policy, capture_layers)
             # the draft rows follow the decode rows: one pass of the output head reads its weights once for both
             out = self.model.logits(hidden[: len(ids) if guesses else meta.num_decode])

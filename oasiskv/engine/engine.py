@@ -14,6 +14,8 @@ from oasiskv.distributed.launch import start_tensor_parallel
 from oasiskv.distributed.setup import attach_score_combiner, shard_for_rank
 from oasiskv.engine.request import Request
 from oasiskv.engine.cuda_graph import DecodeGraphs
+from oasiskv.engine.overlap import InFlight, check_async_scheduling
+from oasiskv.engine.upload import HostCopies
 from oasiskv.engine.runner import ModelRunner
 from oasiskv.engine.sampler import Sampler
 from oasiskv.engine.scheduler import Scheduler
@@ -100,15 +102,31 @@ class LLMEngine:
                                   max_blocks=-(-self.max_model_len // self.block_size))
         self.drafter = None  # oasis mode: guesses each request's next token for the lookahead
         if self.policy.wants_drafts:
-            self.drafter = build_draft_source(config.kv, self.model, self.device, self.dtype, config.model)
+            self.drafter = build_draft_source(config.kv, self.model, self.device, self.dtype, config.model,
+                                              kv_blocks=(self.allocator.num_blocks, self.block_size))
             self.runner.capture_layers = self.drafter.capture_layers
             self.runner.guess_after_drafts = self.drafter.wants_target_guess
         self.sampler = Sampler(self.device, config.seed)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
+        self.in_flight: InFlight | None = None  # async scheduling: the step whose tokens are still on the device
+        self.token_copies = HostCopies()
+        check_async_scheduling(config, self.tp, self.drafter)
+        if config.scheduler.async_scheduling:
+            self.policy.steps_overlap()
         self._ids = itertools.count()
 
     # -- set-up ---------------------------------------------------------------------------------
+    @property
+    def drafter(self):
+        return self._drafter
+
+    @drafter.setter
+    def drafter(self, source) -> None:
+        """A source that drafts on the device does so inside each step, through the runner."""
+        self._drafter = source
+        self.runner.fill_inputs = source.fill if source is not None and source.on_device else None
+
     def kv_overrides(self) -> dict:
         """Extra arguments of build_kv for the offloaded modes (a decode instance: disagg/decode.py)."""
         return {}
@@ -181,25 +199,41 @@ class LLMEngine:
             req.kv_stats = self.policy.request_stats(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.in_flight is not None
 
     # -- the loop -------------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """One scheduler plan, one forward pass. Returns the requests that finished in this step."""
+        """One scheduler plan, one forward pass. Returns the requests that finished: in this step, or with async
+        scheduling in the step before (whose tokens are read once this one is launched)."""
+        overlap = self.overlap_now()
+        landed = self.land() if self.in_flight is not None and not overlap else []
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
         for rid in plan.preempted:
             self.release_kv(rid)
             self.release_draft(rid)
         if not plan.chunks:
-            return []
+            return landed + (self.land() if self.in_flight is not None else [])
         t0 = time.perf_counter()
         if self.tp:
             self.tp.send_step(plan)
-        result = self.runner.execute(plan)
+        result = self.runner.execute(plan, self.in_flight.pending if self.in_flight is not None else None)
+        self.count_step(plan)
+        if overlap:
+            flight = InFlight.launch(result, self.requests, self.max_model_len, self.token_copies)
+            landed = self.land() if self.in_flight is not None else []
+            self.in_flight = flight
+            self.stats.step_time_s += time.perf_counter() - t0
+            return landed
         params = [self.requests[r].params for r in result.request_ids]
         tokens = self.sampler.sample(result.logits, result.request_ids, params) if result.request_ids else []
         self.stats.step_time_s += time.perf_counter() - t0
+        finished = landed + self.accept_tokens(result.request_ids, tokens, result.chunks, result.draft_ids)
+        if self.drafter is not None and not self.drafter.on_device:
+            self.propose_drafts(result)
+        return finished
+
+    def count_step(self, plan) -> None:
         self.stats.steps += 1
         for c in plan.chunks:
             req = self.requests[c.request_id]
@@ -208,17 +242,45 @@ class LLMEngine:
                 self.stats.decode_tokens += 1
             else:
                 self.stats.prefill_tokens += len(c.token_ids)
+
+    def accept_tokens(self, request_ids: list[str], tokens: list[int], chunks, drafts) -> list[Request]:
+        """A step's sampled tokens (and the drafts that ran beside it, int64 on the host, row i: chunks[i]) into
+        the requests. Returns the requests that finished. A request that ended meanwhile (aborted while its token
+        was in flight) is skipped."""
+        if drafts is not None:  # the drafts the device made in that step, for the counts below
+            for c, draft in zip(chunks, drafts.tolist()):
+                req = self.requests.get(c.request_id)
+                if req is not None:
+                    req.draft_token_id = draft
         finished = []
-        for rid, tok in zip(result.request_ids, tokens):
-            req = self.requests[rid]
+        for rid, tok in zip(request_ids, tokens):
+            req = self.requests.get(rid)
+            if req is None or req.finished:
+                continue
             if req.draft_token_id is not None:  # the draft that ran beside this step guessed `tok`
                 self.stats.draft_tokens += 1
                 self.stats.draft_tokens_right += req.draft_token_id == tok
             if self.append_token(req, tok):
                 finished.append(req)
-        if self.drafter is not None:
-            self.propose_drafts(result)
         return finished
+
+    # -- async scheduling (engine/overlap.py) -------------------------------------------------
+    def overlap_now(self) -> bool:
+        """Plan the next step before this one's tokens are read: with --async-scheduling, while every request is
+        greedy (its token is the argmax, taken on the device)."""
+        if not self.config.scheduler.async_scheduling or self.drafter is not None and not self.drafter.on_device:
+            return False  # (a host draft source set after construction, as the tests' teacher is, proposes per step)
+        return all(r.params.greedy for r in itertools.chain(self.scheduler.running, self.scheduler.waiting))
+
+    def land(self) -> list[Request]:
+        """Reads the tokens of the step in flight (waiting for it) and applies them."""
+        flight, self.in_flight = self.in_flight, None
+        tokens = flight.read()
+        for rid in flight.request_ids:
+            req = self.requests.get(rid)
+            if req is not None and req.num_pending:
+                req.num_pending -= 1  # (last_pending stays: it may be the next step's, already launched)
+        return self.accept_tokens(flight.request_ids, tokens, flight.chunks, flight.drafts)
 
     def propose_drafts(self, result) -> None:
         """The draft source sees what the step computed and guesses the token after each new one."""
@@ -281,7 +343,9 @@ class LLMEngine:
             if cut >= 0:
                 req.output_text = text[:cut]
                 return "stop_string"
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        # (the tokens the host has: with async scheduling the next step's may be pending already)
+        if len(req.output_token_ids) >= p.max_tokens or \
+                len(req.prompt_token_ids) + len(req.output_token_ids) >= self.max_model_len:
             return "length"
         return None
 

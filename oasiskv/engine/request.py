@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 from oasiskv.config import SamplingParams
 
 
+PENDING_TOKEN = -1  # in a chunk's token_ids: a token sampled on the device, filled in there (engine/overlap.py)
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -36,10 +39,15 @@ class Request:
     error: str | None = None  # why it ended badly (e.g. its remote KV was lost); reported to the client
     table_list: list[int] | None = field(default=None, repr=False)  # the block_ids list that table_epoch names
     table_epoch: int = -1
+    # async scheduling: tokens sampled on the device that the host has not read yet (1 between steps, 2 while a
+    # step's are counted before the last step's are read), and whether the latest is the request's last (its
+    # length limit), so that no step is planned after it
+    num_pending: int = 0
+    last_pending: bool = False
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
 
     @property
     def tokens(self) -> TokenView:
@@ -47,7 +55,9 @@ class Request:
         return TokenView(self.prompt_token_ids, self.output_token_ids)
 
     def token_slice(self, start: int, end: int) -> list[int]:
-        return self.tokens[start:end]
+        """Tokens start..end-1; a pending token (sampled, still on the device) reads as PENDING_TOKEN."""
+        known = self.tokens[start:end]
+        return known + [PENDING_TOKEN] * (min(end, self.num_tokens) - max(start, len(self.tokens)))
 
     @property
     def num_uncomputed(self) -> int:

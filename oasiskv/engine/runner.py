@@ -8,8 +8,9 @@ import numpy as np
 import torch
 
 from oasiskv.engine.cuda_graph import DecodeGraphs
+from oasiskv.engine.request import PENDING_TOKEN
 from oasiskv.engine.scheduler import ScheduledChunk, SchedulerOutput
-from oasiskv.engine.upload import StepUpload
+from oasiskv.engine.upload import HostCopies, StepUpload
 from oasiskv.models.llama import CausalLM
 from oasiskv.policies.base import AttentionMetadata, KVPolicy, PrefillSpan
 
@@ -22,6 +23,8 @@ class StepResult:
     chunks: list[ScheduledChunk]  # the step's chunks in flat-batch order (decodes first)
     draft_guesses: torch.Tensor | None = None  # int64 [num_draft]: the target's argmax on each draft row (its
     #                                            choice after the draft; row i: chunks[i]), when asked for
+    draft_ids: torch.Tensor | None = None  # int64 [num_draft] on the host: the draft tokens that fill_inputs put in
+    #                                        the draft rows (row i: chunks[i]); readable once the sampler has synced
 
 
 class ModelRunner:
@@ -34,19 +37,33 @@ class ModelRunner:
         self.guess_after_drafts = False  # also the target's argmax on the draft rows (--draft target)
         self.upload = StepUpload(device)  # the step's tensors in one copy
         self.tables = KeptTables()
+        # a draft source that drafts on the device: fill_inputs(ids, meta) writes the draft rows of the step's ids
+        # before the model runs (inside a captured step too)
+        self.fill_inputs = None
+        self.to_host = HostCopies()
+        self.token_sources: torch.Tensor | None = None  # set by prepare
+        self.any_pending = False
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput) -> StepResult:
+    def execute(self, plan: SchedulerOutput, pending: PendingTokens | None = None) -> StepResult:
+        """pending: the tokens of the step before, still on the device (async scheduling); the chunks hold
+        PENDING_TOKEN where they go."""
         chunks = order_decodes_first(plan.chunks)
         graphable = self.graphs is not None and all(len(c.token_ids) == 1 and c.sample for c in chunks)
-        ids, positions, meta = self.prepare(chunks, self.max_blocks if graphable else 0)
+        ids, positions, meta = self.prepare(chunks, self.max_blocks if graphable else 0, pending)
+        if self.any_pending:
+            fill_pending(ids, self.token_sources, pending.tokens)
         self.policy.begin_step(meta)
-        replayed = self.graphs.run(ids, positions, meta, self.capture_layers, self.guess_after_drafts) \
+        replayed = self.graphs.run(ids, positions, meta, self.capture_layers, self.guess_after_drafts,
+                                   self.fill_inputs) \
             if graphable else None
         real = len(ids) - meta.num_draft
         if replayed is not None:
-            logits, captured, guesses = replayed
-            return StepResult([c.request_id for c in chunks], logits, [c[:real] for c in captured], chunks, guesses)
+            logits, captured, guesses, ran = replayed
+            return StepResult([c.request_id for c in chunks], logits, [c[:real] for c in captured], chunks, guesses,
+                              self.drafts_to_host(ran[real:]))
+        if self.fill_inputs is not None:
+            self.fill_inputs(ids, meta)
         hidden, captured = self.model(ids, positions, self.policy, self.capture_layers)
         captured = [c[:real] for c in captured]
         ends, sampling = [], []
@@ -62,10 +79,17 @@ class ModelRunner:
         # one pass of the output head over the sampled rows and the draft rows: its weights are read once
         out = self.model.logits(hidden[torch.tensor(ends + guessed, device=self.device, dtype=torch.long)])
         guesses = out[len(ends):].argmax(-1) if guessed else None
-        return StepResult(sampling, out[:len(ends)], captured, chunks, guesses)
+        return StepResult(sampling, out[:len(ends)], captured, chunks, guesses, self.drafts_to_host(ids[real:]))
 
-    def prepare(self, chunks: list[ScheduledChunk], table_width: int = 0
+    def drafts_to_host(self, drafts: torch.Tensor) -> torch.Tensor | None:
+        """The step's device-made drafts, copied to the host without a sync (complete once the sampler has read
+        its tokens, which waits for the stream)."""
+        return self.to_host(drafts) if self.fill_inputs is not None and len(drafts) else None
+
+    def prepare(self, chunks: list[ScheduledChunk], table_width: int = 0, pending: PendingTokens | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The step's tensors, all views of one upload (meta.packed). Also sets token_sources (int64 [num_decode]:
+        where `pending` holds decode row i's token, else -1) and any_pending."""
         bs = self.block_size
         ids, positions, slot_blocks = [], [], []
         for c in chunks:
@@ -82,9 +106,11 @@ class ModelRunner:
         decode_lens = [c.start + 1 for c in decodes]
         host_slots = np.array(slot_blocks, dtype=np.int64)
         host_positions = np.array(positions, dtype=np.int64)
-        packed, (ids_t, pos_t, slots_t, offsets_t, tables_t, lens_t) = self.upload([
+        sources = token_sources(decodes, pending)
+        self.any_pending = bool((sources >= 0).any())
+        packed, (ids_t, pos_t, slots_t, offsets_t, tables_t, lens_t, self.token_sources) = self.upload([
             np.array(ids, dtype=np.int64), host_positions, host_slots, host_positions[:len(slot_blocks)] % bs,
-            self.tables.build(decodes, table_width), np.array(decode_lens, dtype=np.int32)])
+            self.tables.build(decodes, table_width), np.array(decode_lens, dtype=np.int32), sources])
         meta = AttentionMetadata(
             slot_blocks=slots_t, slot_offsets=offsets_t, num_decode=num_decode, decode_block_tables=tables_t,
             decode_seq_lens=lens_t, decode_max_seq_len=max(decode_lens, default=0), decode_seq_lens_host=decode_lens,
@@ -101,6 +127,30 @@ class ModelRunner:
             spans.append(PrefillSpan(t, t + n, c.start, blocks, c.block_ids[:used]))
             t += n
         return spans
+
+
+@dataclass
+class PendingTokens:
+    """A step's sampled tokens while still on the device (async scheduling: engine/overlap.py)."""
+    tokens: torch.Tensor  # int64 [S] on the device
+    row_of: dict[str, int]  # request id -> its row in tokens
+
+
+def token_sources(decodes: list[ScheduledChunk], pending: PendingTokens | None) -> np.ndarray:
+    """int64 [len(decodes)]: the row of `pending` that holds each decode's token, or -1 (a token the host has)."""
+    sources = np.full(len(decodes), -1, dtype=np.int64)
+    for i, c in enumerate(decodes):
+        if c.token_ids[0] == PENDING_TOKEN:
+            if pending is None or c.request_id not in pending.row_of:
+                raise RuntimeError(f"request {c.request_id}'s token at {c.start} is pending, but no step holds it")
+            sources[i] = pending.row_of[c.request_id]
+    return sources
+
+
+def fill_pending(ids: torch.Tensor, sources: torch.Tensor, tokens: torch.Tensor) -> None:
+    """ids[i] = tokens[sources[i]] where sources[i] >= 0 (the decode rows come first in ids)."""
+    head = ids[:len(sources)]
+    head.copy_(torch.where(sources >= 0, tokens[sources.clamp(min=0)], head))
 
 
 def order_decodes_first(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:

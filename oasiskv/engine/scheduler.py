@@ -92,7 +92,8 @@ class Scheduler:
         # Decodes (one token) before partial prefills, so a long prompt never starves running decodes
         # (with prefill_only, decodes wait instead).
         for req in sorted(self.running, key=lambda r: (r.num_uncomputed > 1, r.arrival_time)):
-            if budget == 0 or req.status != RequestStatus.RUNNING or (prefill_only and req.num_uncomputed == 1):
+            if budget == 0 or req.status != RequestStatus.RUNNING or (prefill_only and req.num_uncomputed == 1) \
+                    or req.last_pending:
                 continue
             n = min(req.num_uncomputed, budget)
             if not self._reserve_blocks(req, n, out):

@@ -63,3 +63,25 @@ class StepUpload:
                                  pin_memory=True)
             self.pinned[self.turn] = buffer
         return buffer.numpy()[:nbytes], buffer[:nbytes]
+
+
+class HostCopies:
+    """Small device tensors copied to the host without a sync: into pinned buffers used in turn, so a copy stays
+    readable while the next `turns - 1` are made (async scheduling reads a step's tokens after launching the next).
+    A copy is complete once the stream has passed it (an event, or any sync such as the sampler's .tolist())."""
+
+    def __init__(self, turns: int = 3):
+        self.buffers: list[torch.Tensor | None] = [None] * turns
+        self.turn = 0
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "cuda":
+            return t.clone()
+        buffer = self.buffers[self.turn]
+        if buffer is None or buffer.numel() < t.numel() or buffer.dtype != t.dtype:
+            buffer = torch.empty(max(2 * t.numel(), 64), dtype=t.dtype, pin_memory=True)
+            self.buffers[self.turn] = buffer
+        self.turn = (self.turn + 1) % len(self.buffers)
+        out = buffer[:t.numel()].view(t.shape)
+        out.copy_(t, non_blocking=True)
+        return out

@@ -37,6 +37,9 @@ class DraftSource:
     capture_layers: tuple[int, ...] = ()
     # True: the runner computes the target's logits on the draft rows too and passes their argmax (target_guess)
     wants_target_guess = False
+    # True: the source drafts inside each step on the device (fill(ids, meta), before the model; the runner's
+    # fill_inputs), not after it on the host (propose)
+    on_device = False
 
     def propose(self, chunks: list[DraftChunk], captured: list[torch.Tensor]) -> dict[str, int]:
         """Draft token for every chunk with sampled=True, keyed by request id. `captured` holds one

@@ -8,6 +8,7 @@ import torch
 
 from oasiskv.config import HEAD_DRAFTS, KVConfig
 from oasiskv.lookahead.base import DraftSource
+from oasiskv.lookahead.device_ngram import DeviceNgramDraft
 from oasiskv.lookahead.ngram import NgramDraft, RepeatDraft
 from oasiskv.lookahead.target import TargetDraft
 from oasiskv.models.loader import DEFAULT_GGUF
@@ -18,9 +19,11 @@ SHIPPED_HEADS = {None: "smollm2-135m-instruct"}
 
 
 def build_draft_source(kv: KVConfig, target: torch.nn.Module, device: torch.device, dtype: torch.dtype,
-                       model: str | None = None) -> DraftSource:
+                       model: str | None = None, kv_blocks: tuple[int, int] | None = None) -> DraftSource:
+    """kv_blocks: (blocks, block size) of the KV allocator, for the sources that keep tokens on the device in
+    its layout (ngram); without it, ngram drafts on the host."""
     if kv.draft == "ngram":
-        return NgramDraft()
+        return DeviceNgramDraft(*kv_blocks, device) if kv_blocks else NgramDraft()
     if kv.draft == "repeat":
         return RepeatDraft()
     if kv.draft == "target":

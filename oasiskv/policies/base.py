@@ -91,6 +91,10 @@ class KVPolicy:
     def reset_tail(self, tail) -> None:
         """The step's graph is dropped: free its tail's too."""
 
+    def steps_overlap(self) -> None:
+        """Async scheduling: the host launches each step while the last runs, so no host work lies between
+        them for the policy's leftover work to hide behind."""
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 

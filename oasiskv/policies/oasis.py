@@ -159,6 +159,12 @@ class OasisPolicy(TieredPolicy):
         ends = {layer for layer in range(first, layers) if (layer - first + 1) % self.PREDICT_GROUP == 0}
         return frozenset(e for e in ends | {layers - 2, layers - 1} if e >= first)
 
+    def steps_overlap(self) -> None:
+        """No tail graph: with the host ahead, the next replay would wait for the tail's copies (H200, qwen3-8b
+        b16 x 16K, async scheduling: 10.27 ms per step with a 6-layer tail against 9.72-9.80 without,
+        docs/BENCHMARKS.md, fifteenth session)."""
+        self.tail_from = self.pool.kv.shape[0]
+
     def graph_key(self):
         """Captured: steps without a cold request (its first decode fetches every miss); whether a draft
         opens a block is baked in."""

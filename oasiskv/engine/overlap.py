@@ -1,0 +1,65 @@
+"""Async scheduling (--async-scheduling): the host plans and launches step t+1 while step t runs on the GPU.
+
+Without it the host's work between steps (reading the tokens, stop rules, the plan, the step's inputs, the
+policy's per-step lists: 0.8-1.3 ms at b16 on the H200's host, docs/BENCHMARKS.md) leaves the GPU idle, because
+step t+1's input is step t's sampled token. With it, step t's greedy tokens stay on the device (argmax there)
+and each request counts one pending token (Request.num_pending). The plan of step t+1 is made at once: its
+decode chunks hold PENDING_TOKEN, which the runner fills on the device from step t's tokens (runner.fill_pending)
+before the model runs, and a device draft source drafts from them there. Only then does the host wait for step t
+and read its tokens, while step t+1 is queued behind it.
+
+What this costs: a request that stops on a token (EOS, a stop token or string) runs one more step whose token is
+dropped. Its length limit is known ahead (Request.last_pending), so none is planned after its last token. Only
+greedy requests overlap: a step with a sampled request first reads the step in flight (the engine's
+overlap_now)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from oasiskv.engine.runner import PendingTokens, StepResult
+
+
+@dataclass
+class InFlight:
+    pending: PendingTokens  # the step's greedy tokens on the device, for the next step's inputs
+    request_ids: list[str]  # the requests that sampled, in token order
+    host_tokens: torch.Tensor  # the same tokens copied to the host (complete at `done`)
+    drafts: torch.Tensor | None  # the drafts that ran beside the step, on the host (StepResult.draft_ids)
+    chunks: list  # the step's chunks (decodes first)
+    done: torch.cuda.Event | None
+
+    @classmethod
+    def launch(cls, result: StepResult, requests: dict, max_model_len: int, to_host) -> InFlight:
+        """Takes the step's tokens on the device and counts one pending token per sampling request."""
+        tokens = result.logits.argmax(-1) if result.request_ids else result.logits.new_zeros(0, dtype=torch.long)
+        host = to_host(tokens)
+        done = None
+        if tokens.is_cuda:
+            done = torch.cuda.Event()
+            done.record()
+        for rid in result.request_ids:
+            req = requests[rid]
+            req.num_pending += 1
+            req.last_pending = (len(req.output_token_ids) + req.num_pending >= req.params.max_tokens
+                                or req.num_tokens >= max_model_len)
+        row_of = {rid: i for i, rid in enumerate(result.request_ids)}
+        return cls(PendingTokens(tokens, row_of), result.request_ids, host, result.draft_ids, result.chunks, done)
+
+    def read(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host_tokens.tolist()
+
+
+def check_async_scheduling(config, tp, drafter) -> None:
+    """Raises ValueError for a configuration that cannot overlap its steps."""
+    if not config.scheduler.async_scheduling:
+        return
+    if tp:
+        raise ValueError("--async-scheduling does not run with --tensor-parallel-size > 1 yet (the other ranks "
+                         "would need the pending tokens)")
+    if drafter is not None and not drafter.on_device:
+        raise ValueError(f"--async-scheduling needs a draft source that drafts on the device (--draft ngram); "
+                         f"--draft {drafter.name} drafts on the host from each step's tokens")

@@ -1,0 +1,98 @@
+"""--async-scheduling: step t+1 is planned and launched before step t's tokens reach the host, its input tokens
+filled on the device. It must change nothing the user sees: the same tokens as the synchronous engine in every
+mode, across stop tokens (a step whose token is dropped), length limits, preemption and a sampled request (which
+makes the engine read each step before planning the next)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from oasiskv.config import CacheConfig, EngineConfig, KVConfig, SamplingParams as SP, SchedulerConfig
+from oasiskv.engine.engine import LLMEngine
+
+
+def tiny_engine(tmp_path, mode: str, async_scheduling: bool, num_kv_blocks: int | None = None,
+                max_model_len: int | None = None, **kv) -> LLMEngine:
+    config = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    sparse = dict(budget=64, sink_blocks=1, local_blocks=1) if mode != "dense" else {}
+    host = dict(host_kv_gb=0.01) if mode in ("retrieval", "oasis") else {}
+    if mode == "oasis":
+        kv.setdefault("fetch_cap", 0.25)  # one block of the 64-token budget
+    cfg = EngineConfig(model=str(tmp_path), load_format="dummy", show_progress=False, seed=3,
+                       kv=KVConfig(mode=mode, **sparse, **host, **kv),
+                       cache=CacheConfig(kv_cache_gb=0.05, num_kv_blocks=num_kv_blocks),
+                       scheduler=SchedulerConfig(max_num_batched_tokens=128, async_scheduling=async_scheduling,
+                                                 max_model_len=max_model_len))
+    return LLMEngine(cfg)
+
+
+def prompts(n: int = 4, seed: int = 7) -> dict[str, list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return {str(i): torch.randint(0, 6, (70 + 37 * i,), generator=gen).tolist() for i in range(n)}
+
+
+def run(engine: LLMEngine, params: dict[str, SP]) -> tuple[dict[str, list[int]], dict[str, str], list[str]]:
+    for rid, ids in prompts(len(params)).items():
+        engine.add_request(ids, params[rid], request_id=rid)
+    order = []
+    while engine.has_unfinished():
+        order += [r.request_id for r in engine.step()]
+    reqs = {rid: engine.requests[rid] for rid in params}
+    return {rid: r.output_token_ids for rid, r in reqs.items()}, {rid: r.finish_reason for rid, r in reqs.items()}, order
+
+
+@pytest.mark.parametrize("mode", ["dense", "quest", "retrieval", "oasis"])
+def test_async_gives_the_synchronous_tokens(tmp_path, mode):
+    greedy = SP(temperature=0, max_tokens=30, ignore_eos=True)
+    sync, _, _ = run(tiny_engine(tmp_path, mode, False), {str(i): greedy for i in range(4)})
+    # a token that request 0 samples midway stops requests 0 and 2 early: the step after runs and is dropped
+    stop = sync["0"][12]
+    params = {str(i): dataclasses.replace(greedy, stop_token_ids=[stop] if i % 2 == 0 else None,
+                                          max_tokens=30 - 3 * i) for i in range(4)}
+    synchronous = tiny_engine(tmp_path, mode, False, max_model_len=200)  # request 3 (181 tokens): 19 more at most
+    expected = run(synchronous, params)
+    engine = tiny_engine(tmp_path, mode, True, max_model_len=200)
+    got = run(engine, params)
+    assert got[0] == expected[0] and got[1] == expected[1]
+    assert sorted(got[2]) == sorted(expected[2]) == [str(i) for i in range(4)]
+    assert expected[1]["0"] == "stop" and len(got[0]["0"]) <= 13 and len(got[0]["3"]) == 19
+    # one dropped step per request stopped by a token; none after a length limit
+    stopped = sum(reason == "stop" for reason in got[1].values())
+    assert engine.stats.decode_tokens == synchronous.stats.decode_tokens + stopped
+    assert not any(r.num_pending for r in engine.requests.values()) and engine.in_flight is None
+
+
+def test_async_across_preemption_and_a_sampled_request(tmp_path):
+    greedy = SP(temperature=0, max_tokens=40, ignore_eos=True)
+    params = {"0": greedy, "1": greedy, "2": SP(temperature=0.9, seed=5, max_tokens=25, ignore_eos=True),
+              "3": greedy}
+    expected = run(tiny_engine(tmp_path, "dense", False, num_kv_blocks=30), params)
+    engine = tiny_engine(tmp_path, "dense", True, num_kv_blocks=30)
+    got = run(engine, params)
+    assert engine.stats.preemptions > 0
+    assert got[0] == expected[0] and got[1] == expected[1]
+
+
+def test_async_oasis_drafts_and_counts_equal_the_synchronous_run(tmp_path):
+    """The device drafts of each step and the policy's counters (hits, misses, prefetches) match the synchronous
+    engine's: the pending tokens reach the device before anything reads them."""
+    greedy = SP(temperature=0, max_tokens=30, ignore_eos=True)
+    runs = []
+    for overlap in (False, True):
+        engine = tiny_engine(tmp_path, "oasis", overlap)
+        tokens = run(engine, {str(i): greedy for i in range(4)})[0]
+        counts = {k: v for k, v in engine.stats_dict().items() if k.startswith(("kv_", "draft_")) and "time" not in k}
+        runs.append((tokens, counts))
+    assert runs[0] == runs[1]
+    assert runs[1][1]["draft_tokens"] == sum(len(t) - 1 for t in runs[1][0].values())
+
+
+def test_async_with_a_host_draft_source_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="drafts on the host"):
+        tiny_engine(tmp_path, "oasis", True, draft="repeat")
