@@ -219,7 +219,7 @@ class SchedulerConfig:
     # only and decodes wait (SGLang's default); decode steps then stay pure, and replay CUDA graphs
     schedule_policy: str = "mixed"
     # plan and launch step t+1 while step t runs on the GPU; its input tokens are filled on the device
-    # (engine/overlap.py). Greedy requests only: a step with a sampled one waits for the last
+    # (engine/overlap.py)
     async_scheduling: bool = False
 
     def __post_init__(self):

@@ -1,7 +1,7 @@
 """--async-scheduling: step t+1 is planned and launched before step t's tokens reach the host, its input tokens
 filled on the device. It must change nothing the user sees: the same tokens as the synchronous engine in every
-mode, across stop tokens (a step whose token is dropped), length limits, preemption and a sampled request (which
-makes the engine read each step before planning the next)."""
+mode, across stop tokens (a step whose token is dropped), length limits, preemption and sampled requests (drawn
+on the device from the same generators)."""
 from __future__ import annotations
 
 import dataclasses
@@ -68,10 +68,10 @@ def test_async_gives_the_synchronous_tokens(tmp_path, mode):
     assert not any(r.num_pending for r in engine.requests.values()) and engine.in_flight is None
 
 
-def test_async_across_preemption_and_a_sampled_request(tmp_path):
+def test_async_across_preemption_and_sampled_requests(tmp_path):
     greedy = SP(temperature=0, max_tokens=40, ignore_eos=True)
-    params = {"0": greedy, "1": greedy, "2": SP(temperature=0.9, seed=5, max_tokens=25, ignore_eos=True),
-              "3": greedy}
+    params = {"0": greedy, "1": SP(temperature=0.7, top_p=0.9, max_tokens=30, ignore_eos=True),  # engine's generator
+              "2": SP(temperature=0.9, seed=5, top_k=20, max_tokens=25, ignore_eos=True), "3": greedy}
     expected = run(tiny_engine(tmp_path, "dense", False, num_kv_blocks=30), params)
     engine = tiny_engine(tmp_path, "dense", True, num_kv_blocks=30)
     got = run(engine, params)

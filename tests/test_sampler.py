@@ -291,3 +291,18 @@ def test_sampling_params_defaults_and_normalisation():
     # dataclasses.replace re-validates
     with pytest.raises(ValueError):
         dataclasses.replace(p, top_k=0)
+
+
+def test_sampling_on_the_device_draws_what_sample_draws():
+    """sample_on_device (async scheduling) returns a tensor without a sync; its draws are sample's: two samplers of
+    one seed, one per path, over rows of every kind (greedy, seeded, the engine's generator)."""
+    gen = torch.Generator().manual_seed(0)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, seed=3, top_k=5),
+              SamplingParams(temperature=1.2, top_p=0.7), SamplingParams(temperature=0.5, seed=9)]
+    ids = ["a", "b", "c", "d"]
+    host, device = Sampler(CPU, seed=1), Sampler(CPU, seed=1)
+    for _ in range(5):
+        logits = torch.randn(4, 50, generator=gen)
+        drawn = device.sample_on_device(logits, ids, params)
+        assert drawn.dtype == torch.long and drawn.shape == (4,)
+        assert drawn.tolist() == host.sample(logits, ids, params)

@@ -220,7 +220,7 @@ class LLMEngine:
         result = self.runner.execute(plan, self.in_flight.pending if self.in_flight is not None else None)
         self.count_step(plan)
         if overlap:
-            flight = InFlight.launch(result, self.requests, self.max_model_len, self.token_copies)
+            flight = InFlight.launch(result, self.requests, self.max_model_len, self.sampler, self.token_copies)
             landed = self.land() if self.in_flight is not None else []
             self.in_flight = flight
             self.stats.step_time_s += time.perf_counter() - t0
@@ -266,11 +266,9 @@ class LLMEngine:
 
     # -- async scheduling (engine/overlap.py) -------------------------------------------------
     def overlap_now(self) -> bool:
-        """Plan the next step before this one's tokens are read: with --async-scheduling, while every request is
-        greedy (its token is the argmax, taken on the device)."""
-        if not self.config.scheduler.async_scheduling or self.drafter is not None and not self.drafter.on_device:
-            return False  # (a host draft source set after construction, as the tests' teacher is, proposes per step)
-        return all(r.params.greedy for r in itertools.chain(self.scheduler.running, self.scheduler.waiting))
+        """Plan the next step before this one's tokens are read (--async-scheduling). Not with a host draft source
+        set after construction (as the tests' teacher is): it proposes from each step's tokens."""
+        return self.config.scheduler.async_scheduling and (self.drafter is None or self.drafter.on_device)
 
     def land(self) -> list[Request]:
         """Reads the tokens of the step in flight (waiting for it) and applies them."""

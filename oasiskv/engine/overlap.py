@@ -2,16 +2,15 @@
 
 Without it the host's work between steps (reading the tokens, stop rules, the plan, the step's inputs, the
 policy's per-step lists: 0.8-1.3 ms at b16 on the H200's host, docs/BENCHMARKS.md) leaves the GPU idle, because
-step t+1's input is step t's sampled token. With it, step t's greedy tokens stay on the device (argmax there)
-and each request counts one pending token (Request.num_pending). The plan of step t+1 is made at once: its
+step t+1's input is step t's sampled token. With it, step t's tokens are sampled and stay on the device
+(Sampler.sample_on_device: the same draws as the synchronous sampler) and each request counts one pending token
+(Request.num_pending). The plan of step t+1 is made at once: its
 decode chunks hold PENDING_TOKEN, which the runner fills on the device from step t's tokens (runner.fill_pending)
 before the model runs, and a device draft source drafts from them there. Only then does the host wait for step t
 and read its tokens, while step t+1 is queued behind it.
 
 What this costs: a request that stops on a token (EOS, a stop token or string) runs one more step whose token is
-dropped. Its length limit is known ahead (Request.last_pending), so none is planned after its last token. Only
-greedy requests overlap: a step with a sampled request first reads the step in flight (the engine's
-overlap_now)."""
+dropped. Its length limit is known ahead (Request.last_pending), so none is planned after its last token."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,9 +30,13 @@ class InFlight:
     done: torch.cuda.Event | None
 
     @classmethod
-    def launch(cls, result: StepResult, requests: dict, max_model_len: int, to_host) -> InFlight:
-        """Takes the step's tokens on the device and counts one pending token per sampling request."""
-        tokens = result.logits.argmax(-1) if result.request_ids else result.logits.new_zeros(0, dtype=torch.long)
+    def launch(cls, result: StepResult, requests: dict, max_model_len: int, sampler, to_host) -> InFlight:
+        """Samples the step's tokens on the device and counts one pending token per sampling request."""
+        if result.request_ids:
+            tokens = sampler.sample_on_device(result.logits, result.request_ids,
+                                              [requests[rid].params for rid in result.request_ids])
+        else:
+            tokens = result.logits.new_zeros(0, dtype=torch.long)
         host = to_host(tokens)
         done = None
         if tokens.is_cuda:

@@ -23,13 +23,18 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
 
 
 def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    return int(draw_row(logits, params, generator))
+
+
+def draw_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """The sampled token as a 0-d int64 tensor on the logits' device (no host sync)."""
     if params.greedy:
-        return int(torch.argmax(logits))
+        return torch.argmax(logits)
     logits = apply_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
     probs = logits.softmax(-1)
     # exponential race: argmax(p / E), E ~ Exp(1), samples from p (one draw per vocab entry)
     noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int(torch.argmax(probs / noise))
+    return torch.argmax(probs / noise)
 
 
 class Sampler:
@@ -47,10 +52,16 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
         """logits [S, V] fp32, one row per sampling request."""
+        return self.sample_on_device(logits, request_ids, params).tolist()
+
+    def sample_on_device(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
+                         ) -> torch.Tensor:
+        """The tokens as int64 [S] on the logits' device, without waiting for them (async scheduling reads them a
+        step later). The draws are those of `sample`: the same ops on the same generators, in row order."""
         if all(p.greedy for p in params):
-            return torch.argmax(logits, dim=-1).tolist()
-        return [sample_row(logits[i], p, self.generator_for(rid, p))
-                for i, (rid, p) in enumerate(zip(request_ids, params))]
+            return torch.argmax(logits, dim=-1)
+        return torch.stack([draw_row(logits[i], p, self.generator_for(rid, p))
+                            for i, (rid, p) in enumerate(zip(request_ids, params))])
 
     def forget(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
