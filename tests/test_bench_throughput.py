@@ -127,3 +127,17 @@ def test_bad_lists_get_clear_errors(tiny):
         bench(tiny, "--modes", "dense,fast")
     with pytest.raises(SystemExit, match="--sweep-concurrency must be a comma-separated list of ints"):
         bench(tiny, "--sweep-concurrency", "1,many")
+
+
+def test_async_scheduling_runs_every_mode(tiny, tmp_path):
+    """--async-scheduling reaches the engine through the bench's flags and is recorded with the result."""
+    out = tmp_path / "async.json"
+    bench(tiny, "--modes", ",".join(MODES), "--max-num-seqs", "3", "--num-prompts", "4", "--async-scheduling",
+          "--json", str(out))
+    result = json.loads(out.read_text())
+    assert result["config"]["scheduler"]["async_scheduling"] is True
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert list(rows) == list(MODES)
+    for r in rows.values():
+        assert r["num_prompts"] == 4 and r["output_tok_s"] == pytest.approx(4 * OUT / r["elapsed_s"], rel=1e-3)
+    assert 0 <= rows["oasis"]["draft_accuracy"] <= 1
