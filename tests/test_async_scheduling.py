@@ -96,3 +96,23 @@ def test_async_oasis_drafts_and_counts_equal_the_synchronous_run(tmp_path):
 def test_async_with_a_host_draft_source_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="drafts on the host"):
         tiny_engine(tmp_path, "oasis", True, draft="repeat")
+
+
+@pytest.mark.parametrize("mode", ["dense", "oasis"])
+def test_aborting_a_request_in_flight_leaves_the_others_alone(tmp_path, mode):
+    """A request aborted while its token is on the device (the server's cancel) ends at once; its token is never
+    read into it, and the other requests get the tokens of a run without it."""
+    greedy = SP(temperature=0, max_tokens=25, ignore_eos=True)
+    expected = run(tiny_engine(tmp_path, mode, False), {str(i): greedy for i in range(3)})[0]
+    engine = tiny_engine(tmp_path, mode, True)
+    for rid, ids in prompts(4).items():
+        engine.add_request(ids, greedy, request_id=rid)
+    while len(engine.requests["3"].output_token_ids) < 5:
+        engine.step()
+    assert engine.requests["3"].num_pending == 1  # its next token is in flight
+    engine.abort("3")
+    kept = list(engine.requests["3"].output_token_ids)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.requests["3"].finish_reason == "abort" and engine.requests["3"].output_token_ids == kept
+    assert {rid: engine.requests[rid].output_token_ids for rid in expected} == expected
