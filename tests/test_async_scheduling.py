@@ -12,12 +12,13 @@ import torch
 
 from oasiskv.config import CacheConfig, EngineConfig, KVConfig, SamplingParams as SP, SchedulerConfig
 from oasiskv.engine.engine import LLMEngine
+from oasiskv.policies.oasis import OasisPolicy
 
 
 def tiny_engine(tmp_path, mode: str, async_scheduling: bool, num_kv_blocks: int | None = None,
-                max_model_len: int | None = None, **kv) -> LLMEngine:
+                max_model_len: int | None = None, num_layers: int = 3, **kv) -> LLMEngine:
     config = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
-              "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "num_hidden_layers": num_layers, "num_attention_heads": 4, "num_key_value_heads": 2,
               "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "tie_word_embeddings": True}
     (tmp_path / "config.json").write_text(json.dumps(config))
     sparse = dict(budget=64, sink_blocks=1, local_blocks=1) if mode != "dense" else {}
@@ -79,13 +80,18 @@ def test_async_across_preemption_and_sampled_requests(tmp_path):
     assert got[0] == expected[0] and got[1] == expected[1]
 
 
-def test_async_oasis_drafts_and_counts_equal_the_synchronous_run(tmp_path):
+@pytest.mark.parametrize("shrink", [False, True])
+def test_async_oasis_drafts_and_counts_equal_the_synchronous_run(tmp_path, monkeypatch, shrink):
     """The device drafts of each step and the policy's counters (hits, misses, prefetches) match the synchronous
-    engine's: the pending tokens reach the device before anything reads them."""
+    engine's: the pending tokens reach the device before anything reads them. With SHRINK_GROUPS the async run
+    predicts in other groups of layers, and decides the same."""
+    monkeypatch.setattr(OasisPolicy, "SHRINK_GROUPS", shrink)
     greedy = SP(temperature=0, max_tokens=30, ignore_eos=True)
     runs = []
     for overlap in (False, True):
-        engine = tiny_engine(tmp_path, "oasis", overlap)
+        engine = tiny_engine(tmp_path, "oasis", overlap, num_layers=6)
+        if overlap:
+            assert sorted(engine.policy.group_ends) == ([2, 4, 5] if shrink else [4, 5])
         tokens = run(engine, {str(i): greedy for i in range(4)})[0]
         counts = {k: v for k, v in engine.stats_dict().items() if k.startswith(("kv_", "draft_")) and "time" not in k}
         runs.append((tokens, counts))

@@ -89,6 +89,9 @@ class OasisPolicy(TieredPolicy):
     # 16K, b16: 6 layers beat 12 once the host's work between steps shrank (its tail outlasts that work and the
     # next replay waits); at b43 the two tie (docs/BENCHMARKS.md, thirteenth and fourteenth sessions)
     TAIL_LAYERS = PREDICT_GROUP
+    # with no tail graph, also end a group 4 layers before the last: groups of 3, 2 and 1 layers there, so the layers
+    # after each can hide its copies (not measured yet: scripts/gpu_host_phases.py --shrink-groups)
+    SHRINK_GROUPS = False
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
@@ -150,20 +153,23 @@ class OasisPolicy(TieredPolicy):
         fresh = np.fromiter((self.predicted_at.get(r) == step - 1 for r in rows), dtype=bool, count=len(rows))
         return {**arrays, "cold": self.cold_host, "fresh": fresh}
 
-    def prediction_group_ends(self, layers: int) -> frozenset[int]:
+    def prediction_group_ends(self, layers: int, shrinking: bool = False) -> frozenset[int]:
         """The layers after which the waiting group is predicted: every PREDICT_GROUP sparse layers,
         and the last layer on its own, so that in an eager step the prediction left after the last layer
         is one layer's, beside the final norm and the logits (a captured step defers the last groups to its
-        tail graph instead: capture_tail)."""
+        tail graph instead: capture_tail). `shrinking`: 4 layers before the end too (SHRINK_GROUPS)."""
         first = self.cfg.dense_layers
         ends = {layer for layer in range(first, layers) if (layer - first + 1) % self.PREDICT_GROUP == 0}
-        return frozenset(e for e in ends | {layers - 2, layers - 1} if e >= first)
+        ends |= {layers - 2, layers - 1} | ({layers - 4} if shrinking else set())
+        return frozenset(e for e in ends if e >= first)
 
     def steps_overlap(self) -> None:
         """No tail graph: with the host ahead, the next replay would wait for the tail's copies (H200, qwen3-8b
         b16 x 16K, async scheduling: 10.27 ms per step with a 6-layer tail against 9.72-9.80 without,
         docs/BENCHMARKS.md, fifteenth session)."""
-        self.tail_from = self.pool.kv.shape[0]
+        layers = self.pool.kv.shape[0]
+        self.tail_from = layers
+        self.group_ends = self.prediction_group_ends(layers, shrinking=self.SHRINK_GROUPS)
 
     def graph_key(self):
         """Captured: steps without a cold request (its first decode fetches every miss); whether a draft
