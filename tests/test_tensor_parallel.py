@@ -38,14 +38,15 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def engine(tmp_path, mode: str, tp: int, **model) -> LLMEngine:
+def engine(tmp_path, mode: str, tp: int, async_scheduling: bool = False, **model) -> LLMEngine:
     """dense: a pool of 12 blocks, too few for the three first requests at once (preemption)."""
     (tmp_path / "config.json").write_text(json.dumps({**QWEN3, **model}))
     kv = KVConfig(mode=mode, budget=48, sink_blocks=1, local_blocks=1, **KV[mode])
     return LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy", dtype="float32", seed=1,
                                   show_progress=False, tensor_parallel_size=tp, kv=kv,
                                   cache=CacheConfig(kv_cache_gb=0.05, num_kv_blocks=12 if mode == "dense" else None),
-                                  scheduler=SchedulerConfig(max_num_batched_tokens=96)))
+                                  scheduler=SchedulerConfig(max_num_batched_tokens=96,
+                                                            async_scheduling=async_scheduling)))
 
 
 def prompts() -> list[list[int]]:
@@ -71,6 +72,20 @@ def drive(e: LLMEngine) -> tuple[dict[str, list[int]], dict]:
         done.update({r.request_id: r.output_token_ids for r in e.step()})
     stats = e.stats_dict()
     return done, {k: stats.get(k) for k in COUNTERS}
+
+
+@pytest.mark.parametrize("mode", ["dense", "oasis"])
+def test_tp2_with_async_scheduling_equals_one_process(tmp_path, mode):
+    """Rank 0 sends each step's sampled tokens to the other rank, whose next step reads them on its device: the
+    tokens and counters of one process with async scheduling, across preemption (dense) and an abort."""
+    want, want_stats = drive(engine(tmp_path, mode, 1, async_scheduling=True))
+    tp = engine(tmp_path, mode, 2, async_scheduling=True)
+    procs = tp.tp.procs
+    got, got_stats = drive(tp)
+    assert set(got) == {"0", "2", "3"} and got == want and got_stats == want_stats
+    assert mode != "dense" or want_stats["preemptions"] > 0
+    tp.close()
+    assert workers_exit(procs)
 
 
 def workers_exit(procs) -> bool:

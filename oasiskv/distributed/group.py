@@ -78,6 +78,17 @@ class TensorParallel:
                "tp_plan_broadcast_s": round(self.plan_seconds, 6)}
         return {**out, **(self.combiner.stats() if self.combiner else {})}
 
+    def send_tokens(self, tokens: torch.Tensor) -> None:
+        """Rank 0, async scheduling: a step's sampled tokens (int64 on the device) to the other ranks, whose next
+        step reads them on the device as rank 0's does (engine/overlap.py)."""
+        dist.broadcast(tokens, src=0)
+
+    def receive_tokens(self, count: int) -> torch.Tensor:
+        """Other ranks: the `count` tokens rank 0 sampled in the step just run."""
+        tokens = torch.empty(count, dtype=torch.long, device=self.device)
+        dist.broadcast(tokens, src=0)
+        return tokens
+
     def broadcast(self, message):
         box = [message]
         dist.broadcast_object_list(box, src=0, group=self.cpu_group)

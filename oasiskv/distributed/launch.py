@@ -27,6 +27,7 @@ from multiprocessing import connection as mp_connection
 
 from oasiskv.config import HEAD_DRAFTS, EngineConfig
 from oasiskv.distributed.group import TensorParallel, current, join_group, leave_group, run_before_leave
+from oasiskv.engine.runner import PendingTokens
 
 JOIN_TIMEOUT_S = 10.0
 
@@ -133,13 +134,18 @@ def run_rank(config: EngineConfig, rank: int, world: int, init_file: str, device
 
 
 def run_plans(engine, tp: TensorParallel) -> None:
+    pending = None  # async scheduling: the tokens rank 0 sampled in the last step, which the next plan reads
     while (message := tp.receive_step()) is not None:
         plan, released = message
         for request_id in released:
             engine.policy.release(request_id)
             engine.policy.request_stats(request_id)  # forget its counters: only rank 0 reports them
         if plan.chunks:
-            engine.runner.execute(plan)
+            result = engine.runner.execute(plan, pending)
+            pending = None
+            if engine.config.scheduler.async_scheduling and result.request_ids:
+                tokens = tp.receive_tokens(len(result.request_ids))
+                pending = PendingTokens(tokens, {rid: i for i, rid in enumerate(result.request_ids)})
 
 
 def watch_parent(parent: int) -> None:

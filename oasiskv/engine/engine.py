@@ -111,7 +111,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self.in_flight: InFlight | None = None  # async scheduling: the step whose tokens are still on the device
         self.token_copies = HostCopies()
-        check_async_scheduling(config, self.tp, self.drafter)
+        check_async_scheduling(config, self.drafter)
         if config.scheduler.async_scheduling:
             self.policy.steps_overlap()
         self._ids = itertools.count()
@@ -221,6 +221,8 @@ class LLMEngine:
         self.count_step(plan)
         if overlap:
             flight = InFlight.launch(result, self.requests, self.max_model_len, self.sampler, self.token_copies)
+            if self.tp and flight.request_ids:  # the other ranks' next step reads them too
+                self.tp.send_tokens(flight.pending.tokens)
             landed = self.land() if self.in_flight is not None else []
             self.in_flight = flight
             self.stats.step_time_s += time.perf_counter() - t0

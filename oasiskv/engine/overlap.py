@@ -56,13 +56,10 @@ class InFlight:
         return self.host_tokens.tolist()
 
 
-def check_async_scheduling(config, tp, drafter) -> None:
+def check_async_scheduling(config, drafter) -> None:
     """Raises ValueError for a configuration that cannot overlap its steps."""
     if not config.scheduler.async_scheduling:
         return
-    if tp:
-        raise ValueError("--async-scheduling does not run with --tensor-parallel-size > 1 yet (the other ranks "
-                         "would need the pending tokens)")
     if drafter is not None and not drafter.on_device:
         raise ValueError(f"--async-scheduling needs a draft source that drafts on the device (--draft ngram); "
                          f"--draft {drafter.name} drafts on the host from each step's tokens")
