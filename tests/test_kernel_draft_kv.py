@@ -46,7 +46,8 @@ def make_case(b, width, max_blocks, k, dtype, seed):
             opened[i] = free[torch.randint(0, len(free), (), generator=gen).item()]
         elif kind == 1 and held:
             opened[i] = held[0]
-    tail_slots = torch.randint(0, ROWS * width, (b,), generator=gen)
+    # a slot of the row's own (as in the engine): no two rows write one place, which would race on a GPU
+    tail_slots = rows * width + torch.randint(0, width, (b,), generator=gen)
     offset = torch.where(opened >= 0, 0, torch.randint(1, BS, (b,), generator=gen))
     kv = torch.randn(ROWS * width, 2, BS, HKV, D, generator=gen).to(dtype)
     k_new, v_new = (torch.randn(b, HKV, D, generator=gen).to(dtype) for _ in range(2))
