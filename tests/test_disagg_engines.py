@@ -62,9 +62,12 @@ def single_instance(config, ids_list) -> list[list[int]]:
     return [engine.requests[str(i)].output_token_ids for i in range(len(ids_list))]
 
 
-@pytest.mark.parametrize("draft", ["ngram", "target"])
-def test_batched_remote_decode_equals_single_instance(config, draft):
-    config = dataclasses.replace(config, kv=dataclasses.replace(config.kv, draft=draft))
+@pytest.mark.parametrize("draft, overlap", [("ngram", False), ("target", False), ("ngram", True)])
+def test_batched_remote_decode_equals_single_instance(config, draft, overlap):
+    """overlap: the decode instance with --async-scheduling (its first decode reads the prompt's tokens, which
+    no step of its own computed, from the draft pool)."""
+    config = dataclasses.replace(config, kv=dataclasses.replace(config.kv, draft=draft),
+                                 scheduler=dataclasses.replace(config.scheduler, async_scheduling=overlap))
     ids_list = prompts(3)
     prefill = PrefillEngine(config, DisaggConfig(role="prefill"))
     decode = DecodeEngine(config, DisaggConfig(role="decode", remote_cache_blocks=1, local_kv_blocks=48))
@@ -104,7 +107,9 @@ def test_prefill_lease_runs_out_without_word_and_is_renewed_while_decoding(confi
     assert prefill.exporter.released == 1 and prefill.allocator.num_free == prefill.allocator.num_blocks
 
 
-def test_a_lost_prefill_fails_only_its_requests(config):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_lost_prefill_fails_only_its_requests(config, overlap):
+    config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, async_scheduling=overlap))
     ids_list = prompts(2)
     lost, kept = (PrefillEngine(config, DisaggConfig(role="prefill")) for _ in range(2))
     decode = DecodeEngine(config, DisaggConfig(role="decode", remote_cache_blocks=0))

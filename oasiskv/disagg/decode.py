@@ -25,8 +25,6 @@ class DecodeEngine(LLMEngine):
     def __init__(self, config: EngineConfig, disagg: DisaggConfig):
         if config.kv.mode != "oasis":
             raise ValueError("--role decode needs --kv-mode oasis")
-        if config.scheduler.async_scheduling:
-            raise ValueError("--role decode does not run with --async-scheduling yet")
         if config.kv.draft in HEAD_DRAFTS:
             raise ValueError(f"--role decode supports --draft ngram, repeat or target, not {config.kv.draft} (its EAGLE-3 "
                              "head would need the prompt's hidden states from the prefill instance)")
@@ -87,13 +85,16 @@ class DecodeEngine(LLMEngine):
         return finished
 
     def fail_lost(self, before: dict[str, int]) -> None:
-        """Ends the requests whose remote KV was lost, without the token of the step that noticed."""
+        """Ends the requests whose remote KV was lost, without the token of the step that noticed. (With async
+        scheduling that token is still on the device, and is dropped when read: the tokens this call added came
+        from the step before, which had the KV.)"""
         for rid, message in list(self.remote.failed.items()):
             del self.remote.failed[rid]
             req = self.requests.get(rid)
             if req is None:
                 continue
-            del req.output_token_ids[before.get(rid, len(req.output_token_ids)):]
+            if not self.config.scheduler.async_scheduling:
+                del req.output_token_ids[before.get(rid, len(req.output_token_ids)):]
             req.error = message
             if req.status != RequestStatus.FINISHED:
                 self.abort(rid)
@@ -109,7 +110,8 @@ class DecodeEngine(LLMEngine):
         stats = self.remote.finished.get(req.request_id)
         if stats is None:
             return
-        blocks = self.scheduler.blocks_for(max(req.num_tokens - 1, 1))  # the last token's K/V is never made
+        known = len(req.prompt_token_ids) + len(req.output_token_ids)  # (not a step's token still in flight)
+        blocks = self.scheduler.blocks_for(max(known - 1, 1))  # the last token's K/V is never made
         stats["full_kv_bytes"] = blocks * self.model_config.num_layers * self.host.chunk_bytes
         stats["local_host_kv_share"] = round(stats["local_host_kv_bytes_peak"] / stats["full_kv_bytes"], 4)
         self.largest_local_share = max(self.largest_local_share, stats["local_host_kv_share"])
