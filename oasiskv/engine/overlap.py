@@ -4,10 +4,10 @@ Without it the host's work between steps (reading the tokens, stop rules, the pl
 policy's per-step lists: 0.8-1.3 ms at b16 on the H200's host, docs/BENCHMARKS.md) leaves the GPU idle, because
 step t+1's input is step t's sampled token. With it, step t's tokens are sampled and stay on the device
 (Sampler.sample_on_device: the same draws as the synchronous sampler) and each request counts one pending token
-(Request.num_pending). The plan of step t+1 is made at once: its
-decode chunks hold PENDING_TOKEN, which the runner fills on the device from step t's tokens (runner.fill_pending)
-before the model runs, and a device draft source drafts from them there. Only then does the host wait for step t
-and read its tokens, while step t+1 is queued behind it.
+(Request.num_pending). The plan of step t+1 is made at once: its decode chunks hold PENDING_TOKEN, which the
+runner fills on the device from step t's tokens (runner.fill_pending) before the model runs, and a device draft
+source drafts from them there. Only then does the host wait for step t and read its tokens, while step t+1 is
+queued behind it. Under tensor parallelism rank 0 broadcasts the tokens on the device (distributed/launch.py).
 
 What this costs: a request that stops on a token (EOS, a stop token or string) runs one more step whose token is
 dropped. Its length limit is known ahead (Request.last_pending), so none is planned after its last token."""
@@ -22,7 +22,7 @@ from oasiskv.engine.runner import PendingTokens, StepResult
 
 @dataclass
 class InFlight:
-    pending: PendingTokens  # the step's greedy tokens on the device, for the next step's inputs
+    pending: PendingTokens  # the step's sampled tokens on the device, for the next step's inputs
     request_ids: list[str]  # the requests that sampled, in token order
     host_tokens: torch.Tensor  # the same tokens copied to the host (complete at `done`)
     drafts: torch.Tensor | None  # the drafts that ran beside the step, on the host (StepResult.draft_ids)
