@@ -101,7 +101,21 @@ def test_async_oasis_drafts_and_counts_equal_the_synchronous_run(tmp_path, monke
 
 def test_async_with_a_host_draft_source_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="drafts on the host"):
-        tiny_engine(tmp_path, "oasis", True, draft="repeat")
+        tiny_engine(tmp_path, "oasis", True, draft="target")
+
+
+def test_async_with_the_repeat_draft(tmp_path):
+    """--draft repeat drafts on the device too: each step's draft is its own (pending) token."""
+    greedy = SP(temperature=0, max_tokens=20, ignore_eos=True)
+    runs = []
+    for overlap in (False, True):
+        engine = tiny_engine(tmp_path, "oasis", overlap, draft="repeat")
+        tokens = run(engine, {str(i): greedy for i in range(3)})[0]
+        runs.append((tokens, {k: v for k, v in engine.stats_dict().items() if k.startswith(("kv_", "draft_"))
+                              and "time" not in k}))
+    assert runs[0] == runs[1]
+    right = sum(a == b for out in runs[0][0].values() for a, b in zip(out, out[1:]))
+    assert runs[1][1]["draft_tokens"] == 57 and runs[1][1]["draft_tokens_right"] == right
 
 
 @pytest.mark.parametrize("mode", ["dense", "oasis"])

@@ -48,3 +48,7 @@ class DraftSource:
 
     def release(self, request_id: str) -> None:
         """The request finished or was preempted: forget its state (a recompute starts at position 0)."""
+
+    def write_prompt(self, block_ids: list[int], tokens: list[int]) -> None:
+        """A source that drafts on the device: a prompt that no step computed here (its K/V came from a prefill
+        instance), for the sources that read the context from the device."""

@@ -10,12 +10,15 @@ from oasiskv.lookahead.base import DraftChunk, DraftSource
 
 
 class RepeatDraft(DraftSource):
-    """The temporal-locality baseline: the next query is predicted by the current token's."""
+    """The temporal-locality baseline: the next query is predicted by the current token's. Drafted on the device
+    (each decode row's draft row gets its token), so it runs with async scheduling too."""
 
     name = "repeat"
+    on_device = True
 
-    def propose(self, chunks: list[DraftChunk], captured) -> dict[str, int]:
-        return {c.request_id: c.context[-1] for c in chunks if c.sampled}
+    def fill(self, ids, meta) -> None:
+        if meta.num_draft:  # the decode rows come first in ids, the draft rows last, in the same order
+            ids[len(ids) - meta.num_draft:].copy_(ids[:meta.num_draft])
 
 
 class NgramDraft(DraftSource):
