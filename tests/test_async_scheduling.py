@@ -13,6 +13,7 @@ import torch
 from oasiskv.config import CacheConfig, EngineConfig, KVConfig, SamplingParams as SP, SchedulerConfig
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.policies.oasis import OasisPolicy
+from oasiskv.server.logprobs import LogprobSampler
 
 
 def tiny_engine(tmp_path, mode: str, async_scheduling: bool, num_kv_blocks: int | None = None,
@@ -136,3 +137,19 @@ def test_aborting_a_request_in_flight_leaves_the_others_alone(tmp_path, mode):
         engine.step()
     assert engine.requests["3"].finish_reason == "abort" and engine.requests["3"].output_token_ids == kept
     assert {rid: engine.requests[rid].output_token_ids for rid in expected} == expected
+
+
+def test_logprobs_pause_async_scheduling_and_match_the_synchronous_run(tmp_path):
+    """The server's logprob sampler records each sampled token's logprob beside it: while a request wants them,
+    the engine reads each step before planning the next, and the logprobs are those of the synchronous run."""
+    greedy = SP(temperature=0, max_tokens=12, ignore_eos=True)
+    runs = []
+    for overlap in (False, True):
+        engine = tiny_engine(tmp_path, "dense", overlap)
+        engine.sampler = LogprobSampler(engine.sampler)
+        engine.sampler.wanted["1"] = 2
+        tokens = run(engine, {str(i): greedy for i in range(3)})[0]
+        runs.append((tokens, engine.sampler.take("1")))
+    (tokens, logprobs), (async_tokens, async_logprobs) = runs
+    assert async_tokens == tokens and [lp.token_id for lp in async_logprobs] == tokens["1"]
+    assert async_logprobs == logprobs

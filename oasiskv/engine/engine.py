@@ -269,8 +269,10 @@ class LLMEngine:
     # -- async scheduling (engine/overlap.py) -------------------------------------------------
     def overlap_now(self) -> bool:
         """Plan the next step before this one's tokens are read (--async-scheduling). Not with a host draft source
-        set after construction (as the tests' teacher is): it proposes from each step's tokens."""
-        return self.config.scheduler.async_scheduling and (self.drafter is None or self.drafter.on_device)
+        set after construction (as the tests' teacher is), nor while the sampler reads each step (the server's
+        logprobs): both need each step's tokens on the host."""
+        return (self.config.scheduler.async_scheduling and (self.drafter is None or self.drafter.on_device)
+                and not self.sampler.reads_each_step)
 
     def land(self) -> list[Request]:
         """Reads the tokens of the step in flight (waiting for it) and applies them."""

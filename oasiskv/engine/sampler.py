@@ -38,6 +38,8 @@ def draw_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Gene
 
 
 class Sampler:
+    reads_each_step = False  # a wrapper that must see each step's tokens on the host pauses async scheduling
+
     def __init__(self, device: torch.device, seed: int):
         self.device = device
         self.default_generator = torch.Generator(device=device).manual_seed(seed)

@@ -52,6 +52,12 @@ class LogprobSampler:
                 self.recorded[request_ids[i]].append(lp)
         return tokens
 
+    @property
+    def reads_each_step(self) -> bool:
+        """While a request wants logprobs, each step's tokens are read before the next is planned (async
+        scheduling pauses): the logprobs are taken here, from `sample`, beside the tokens they belong to."""
+        return bool(self.wanted)
+
     def take(self, request_id: str) -> list[TokenLogprob]:
         return self.recorded.pop(request_id, [])
 
