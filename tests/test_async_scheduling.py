@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from oasiskv.config import CacheConfig, EngineConfig, KVConfig, SamplingParams as SP, SchedulerConfig
 from oasiskv.engine.engine import LLMEngine
+from oasiskv.evals.forced import teacher_forced
 from oasiskv.policies.oasis import OasisPolicy
 from oasiskv.server.logprobs import LogprobSampler
 
@@ -153,3 +155,15 @@ def test_logprobs_pause_async_scheduling_and_match_the_synchronous_run(tmp_path)
     (tokens, logprobs), (async_tokens, async_logprobs) = runs
     assert async_tokens == tokens and [lp.token_id for lp in async_logprobs] == tokens["1"]
     assert async_logprobs == logprobs
+
+
+def test_teacher_forcing_pauses_async_scheduling_and_scores_the_same(tmp_path):
+    """The eval's forcing sampler gives the engine its tokens from the host: with async scheduling configured, the
+    scores are those of the synchronous engine."""
+    windows = list(prompts(3).values())
+    scores = []
+    for overlap in (False, True):
+        engine = tiny_engine(tmp_path, "quest", overlap)
+        forced = teacher_forced(SimpleNamespace(engine=engine), windows, num_scored=20)
+        scores.append([(s.logprobs, s.top1) for s in forced])
+    assert scores[0] == scores[1] and len(scores[0][0][0]) == 20

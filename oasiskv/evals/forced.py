@@ -31,6 +31,8 @@ class ForcedScores:
 class ForcingSampler:
     """Has the engine sampler's interface (sample, forget); returns the forced tokens."""
 
+    reads_each_step = True  # the forced tokens come from the host: async scheduling pauses
+
     def __init__(self, forced: dict[str, list[int]], reference: dict[str, list[torch.Tensor]] | None,
                  keep_rows: bool):
         self.forced, self.reference, self.keep_rows = forced, reference, keep_rows
