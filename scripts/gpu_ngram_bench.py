@@ -10,18 +10,7 @@ import json
 import torch
 
 from oasiskv.kernels.ngram_lookup import ngram_lookup, ngram_lookup_reference
-
-
-def per_call_us(fn, reps: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / reps
+from scripts.gpu_select_bench import per_call_us
 
 
 def main() -> None:
@@ -42,8 +31,8 @@ def main() -> None:
     ngram_lookup(pool, tables, lens, out)
     ngram_lookup_reference(pool, tables, lens, ref)
     same = torch.equal(out, ref)
-    kernel = per_call_us(lambda: ngram_lookup(pool, tables, lens, out))
-    twin = per_call_us(lambda: ngram_lookup_reference(pool, tables, lens, ref), reps=5)
+    kernel = per_call_us(lambda: ngram_lookup(pool, tables, lens, out), calls=50)
+    twin = per_call_us(lambda: ngram_lookup_reference(pool, tables, lens, ref), calls=5)
     tokens_bytes = int(lens.sum()) * 4
     row = {"batch": b, "context": args.context, "kernel_us": round(kernel, 2), "torch_twin_us": round(twin, 1),
            "equal_to_twin": same, "token_bytes": tokens_bytes,

@@ -1,7 +1,8 @@
 """Async scheduling (--async-scheduling): the host plans and launches step t+1 while step t runs on the GPU.
 
 Without it the host's work between steps (reading the tokens, stop rules, the plan, the step's inputs, the
-policy's per-step lists: 0.8-1.3 ms at b16 on the H200's host, docs/BENCHMARKS.md) leaves the GPU idle, because
+policy's per-step lists: 0.5-1.9 ms at b16 on the H200's host, docs/BENCHMARKS.md, fourteenth and fifteenth
+sessions) leaves the GPU idle, because
 step t+1's input is step t's sampled token. With it, step t's tokens are sampled and stay on the device
 (Sampler.sample_on_device: the same draws as the synchronous sampler) and each request counts one pending token
 (Request.num_pending). The plan of step t+1 is made at once: its decode chunks hold PENDING_TOKEN, which the

@@ -1,8 +1,8 @@
 """--draft ngram on the device: prompt lookup computed inside the step, from the step's own input tokens.
 
 The host form (lookahead/ngram.py) proposes after each step's tokens reach the host: hash tables per
-request, 0.13-0.23 ms of Python per step at b16 on the H200's host, between one graph and the next
-(docs/BENCHMARKS.md, fourteenth session). Here every token a step computes is written into a paged token
+request, 0.18-0.23 ms of Python per step at b16 on the H200's host with propose_drafts, between one graph
+and the next (docs/BENCHMARKS.md, fourteenth session). Here every token a step computes is written into a paged token
 pool at the place its K/V go (the same block tables), and at the start of each decode step, before the
 embedding, each decode row's draft is looked up from the pool (kernels/ngram_lookup.py) into the draft
 rows of the step's input ids. In a replayed step both run inside the graph: the host does nothing.
