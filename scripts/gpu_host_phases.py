@@ -128,7 +128,7 @@ def measure(args, mode: str, stride: int) -> dict:
     torch.cuda.CUDAGraph.replay = real_replay
     device_ms = [s.elapsed_time(e) for s, e in replays]
     row = {"mode": mode, "async_scheduling": args.async_scheduling, "draft": kv.get("draft"), "profiled": bool(profiler), "stride": stride, "prefetch_programs": OasisPolicy.PREFETCH_PROGRAMS,
-           "tail_layers": OasisPolicy.TAIL_LAYERS, "shrink_groups": OasisPolicy.SHRINK_GROUPS, "batch": args.batch, "wall_ms_per_step": round(wall, 3),
+           "tail_layers": OasisPolicy.TAIL_LAYERS, "batch": args.batch, "wall_ms_per_step": round(wall, 3),
            "replays": graphs.counts["cuda_graph_replays"] - before,
            "captures": graphs.counts["cuda_graph_captures"] - captures, "gc_freeze": args.gc_freeze,
            "step_ms_median": round(statistics.median(step_ms), 3), "step_ms_max": round(max(step_ms), 3),
@@ -157,7 +157,6 @@ def main() -> None:
     p.add_argument("--gpu-gb", type=float, default=72)
     p.add_argument("--host-gb", type=float, default=64)
     p.add_argument("--async-scheduling", action="store_true", help="plan each step while the last runs")
-    p.add_argument("--shrink-groups", action="store_true", help="OasisPolicy.SHRINK_GROUPS (async scheduling, which has no tail graph)")
     p.add_argument("--gc-freeze", action="store_true", help="gc.freeze() before the timed steps")
     p.add_argument("--draft", default=None, help="oasis's --draft (default: the config's)")
     p.add_argument("--profile", default=None, help="also cProfile the timed steps, appending the top to this file "
@@ -168,7 +167,6 @@ def main() -> None:
         OasisPolicy.PREFETCH_PROGRAMS = args.prefetch_programs
     if args.tail_layers is not None:
         OasisPolicy.TAIL_LAYERS = args.tail_layers
-    OasisPolicy.SHRINK_GROUPS = args.shrink_groups
     rows = []
     for mode in args.modes.split(","):
         for stride in (int(s) for s in args.strides.split(",")):

@@ -11,7 +11,7 @@ and the identity of every input tensor. So:
     time it is captured (capturing records, it does not run) and then replayed.
 A policy may also leave work for after the step (capture_tail): a second graph, replayed on its own stream
 right after the step's, that the host does not wait for (oasis: the last layers' prefetch, beside the
-sampling and the next step's host work). The next replay waits for it (before_replay).
+sampling, the next step's host work and the next step's first layers, which do not read what it writes).
 """
 from __future__ import annotations
 
@@ -83,8 +83,7 @@ class DecodeGraphs:
         if step is None and key not in self.seen:
             self.seen.add(key)
             return None
-        # after what eager steps left on other streams, and the last tail, which may still read the inputs
-        # that load rewrites
+        # after what eager steps left on other streams
         self.policy.before_replay()
         if step is None:
             step = self.capture(key, ids, positions, meta, capture_layers, guesses, fill_inputs)
@@ -109,7 +108,7 @@ class DecodeGraphs:
             logits = out[: meta.num_decode]
             drafted = out[meta.num_decode:].argmax(-1) if guesses and meta.num_draft else None
             self.policy.end_capture()
-        tail = self.policy.capture_tail(self.pool)
+        tail = self.policy.capture_tail()
         inputs = {"ids": ids, "positions": positions, **{name: getattr(meta, name) for name in META_TENSORS}}
         step_tensors = {name: getattr(self.policy, name) for name in self.policy.STEP_TENSORS}
         if not all(views_of(t, meta.packed) for t in inputs.values()):

@@ -112,8 +112,6 @@ class LLMEngine:
         self.in_flight: InFlight | None = None  # async scheduling: the step whose tokens are still on the device
         self.token_copies = HostCopies()
         check_async_scheduling(config, self.drafter)
-        if config.scheduler.async_scheduling:
-            self.policy.steps_overlap()
         self._ids = itertools.count()
 
     # -- set-up ---------------------------------------------------------------------------------

@@ -79,10 +79,10 @@ class KVPolicy:
     def end_capture(self) -> None:
         """At the end of a captured forward: join every stream the capture forked."""
 
-    def capture_tail(self, pool):
-        """After a capture: work the policy left for after the step, captured as its own graph (in the
-        graph memory `pool`), or None. It is replayed after each replay of the step (replay_tail), and
-        before_replay orders the next replay after it."""
+    def capture_tail(self):
+        """After a capture: work the policy left for after the step, captured as its own graph, or None. It is
+        replayed after each replay of the step (replay_tail), and the policy orders what reads its results
+        after it."""
         return None
 
     def replay_tail(self, tail) -> None:
@@ -90,10 +90,6 @@ class KVPolicy:
 
     def reset_tail(self, tail) -> None:
         """The step's graph is dropped: free its tail's too."""
-
-    def steps_overlap(self) -> None:
-        """Async scheduling: the host launches each step while the last runs, so no host work lies between
-        them for the policy's leftover work to hide behind."""
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

@@ -13,7 +13,8 @@ last num_draft rows of the batch). Per layer (see shared/DESIGN.md, "A decode st
      gathered from the host store, evicting blocks outside the prediction. This runs for groups of
      PREDICT_GROUP layers at once; on the GPU on the copy stream, beside the next layers' compute. In a
      replayed step the groups of the last TAIL_LAYERS layers are a second graph (capture_tail), replayed
-     after the step's on the copy stream: beside the sampling and the host's work, not waited for.
+     after the step's on a stream of its own: beside the sampling, the host's work and the next step's first
+     layers. The next step's graph waits for it only before the first layer it predicted (an external event).
 
 The working-set row holds budget + 1 blocks: a full selection plus the block a draft token opens.
 On the CPU the same steps run synchronously."""
@@ -33,6 +34,29 @@ from oasiskv.kernels.residency import resident_selection, resident_selection_ref
 from oasiskv.kernels.paged_decode import paged_decode_attention, paged_decode_reference
 from oasiskv.kernels.sparse_decode import sparse_decode_attention_padded, sparse_decode_padded_reference
 from oasiskv.policies.tiered import TieredPolicy, TieredRows
+
+
+@dataclass(frozen=True)
+class PredictInputs:
+    """What a group's prediction reads besides the layers' own state: the rows (long [B]), the drafts'
+    logical blocks (int32 [B]), the host block tables (int32 [B, W + 1]) and the step number to stamp."""
+    rows: torch.Tensor
+    nblocks: torch.Tensor
+    host_tables: torch.Tensor
+    step: torch.Tensor
+
+    def copy(self) -> "PredictInputs":
+        return PredictInputs(*(t.clone() for t in (self.rows, self.nblocks, self.host_tables, self.step)))
+
+
+@dataclass
+class Tail:
+    """A captured step's deferred prediction: its graph, the layers it predicts, and the tensors it reads
+    (kept alive as long as the graph: the step's graph pool must not hand their memory to another graph, which
+    may run while this one does)."""
+    graph: torch.cuda.CUDAGraph
+    layers: list[int]
+    reads: tuple
 
 
 @dataclass
@@ -80,25 +104,22 @@ class OasisPolicy(TieredPolicy):
     COUNTERS = TieredPolicy.COUNTERS + ("prefetched_blocks", "cold_fetched_blocks", "miss_fetched_blocks",
                                         "agree_hits", "agree_total")
     STEP_TENSORS = TieredPolicy.STEP_TENSORS + ("cold", "fresh")
+    LANES = 3  # compute, copy stream, tail stream
+    TAIL_LANE = 2
     PREDICT_GROUP = 6  # consecutive layers predicted together: fewer, larger kernels on the copy stream
     # GPU programs that copy the prefetched blocks (0: one per block). A copy waits on PCIe, not on the
     # SMs: a few programs keep the link busy and leave the other SMs to the compute stream.
     PREFETCH_PROGRAMS = 16
     # in a captured step, the prediction of the groups that end in the last TAIL_LAYERS layers runs after the
-    # step (capture_tail), so the step's graph need not wait for their copies (0: none deferred). H200, qwen3-8b
-    # 16K, b16: 6 layers beat 12 once the host's work between steps shrank (its tail outlasts that work and the
-    # next replay waits); at b43 the two tie (docs/BENCHMARKS.md, thirteenth and fourteenth sessions)
+    # step (capture_tail), so the step's graph need not wait for their copies (0: none deferred)
     TAIL_LAYERS = PREDICT_GROUP
-    # with no tail graph, also end a group 4 layers before the last: groups of 3, 2 and 1 layers there, so the layers
-    # after each can hide its copies (not measured yet: scripts/gpu_host_phases.py --shrink-groups)
-    SHRINK_GROUPS = False
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         layers, rows = self.pool.kv.shape[0], self.ws.rows
         self.fetch_cap_blocks = self.cfg.fetch_blocks(self.block_size)
         self.predicted = torch.zeros(layers, rows, self.ws.max_blocks + 1, dtype=torch.bool, device=self.pool.kv.device)
-        self.most_prefetched = torch.zeros((), dtype=torch.int64, device=self.pool.kv.device)
+        self.most_prefetched = torch.zeros(self.LANES, dtype=torch.int64, device=self.pool.kv.device)
         self.predicted_at: dict[int, int] = {}  # row -> step of its latest prediction
         self.prefetched: list[torch.cuda.Event | None] = [None] * layers
         self.clock = EventClock() if self.cuda else None
@@ -107,13 +128,19 @@ class OasisPolicy(TieredPolicy):
         self.waiting: list[tuple[int, torch.Tensor]] = []  # (layer, draft block scores) not yet predicted from
         self.group_ends = self.prediction_group_ends(layers)
         # in a capture, the groups from this layer on are predicted in the tail graph (capture_tail): after
-        # the step, beside the sampling and the host's work, rather than before the step's graph may end
+        # the step, beside the sampling, the host's work and the next step, rather than before the step's graph ends
         self.tail_from = max(layers - self.TAIL_LAYERS, self.cfg.dense_layers) if self.TAIL_LAYERS else layers
+        self.first_deferred = self.first_layer_of_group_ending_at(self.tail_from)
         self.deferring = False
         self.deferred: list[list[tuple[int, torch.Tensor]]] = []
-        if self.cuda:  # the clock of the copy stream's placements, written on that stream (begin_step): its work
-            # of the last step, which may still run (a tail graph), then reads the last step's number, as it must
+        self.tail_inputs: PredictInputs | None = None
+        if self.cuda:  # the clock of the copy stream's placements, written on that stream (begin_step)
             self.copy_step = torch.zeros((), dtype=torch.int64, device=self.pool.kv.device)
+            self.tail_stream = torch.cuda.Stream(self.pool.kv.device)
+            # recorded at each tail graph's end, waited for inside the next step's graph: external event nodes
+            self.tail_done = torch.cuda.Event(external=True)
+            self.tail_done.record(self.tail_stream)  # created now: waiting on an event never recorded captures nothing
+            self.tail_pool = None  # the tail graphs' memory: never the steps', which run beside them
         names = {"selected": "selected_blocks"}  # kernels/residency.py's counters -> ours
         self.residency_counters = torch.tensor([self.counter_index[names.get(c, c)] for c in RESIDENCY_COUNTERS],
                                                device=self.pool.kv.device)
@@ -153,23 +180,21 @@ class OasisPolicy(TieredPolicy):
         fresh = np.fromiter((self.predicted_at.get(r) == step - 1 for r in rows), dtype=bool, count=len(rows))
         return {**arrays, "cold": self.cold_host, "fresh": fresh}
 
-    def prediction_group_ends(self, layers: int, shrinking: bool = False) -> frozenset[int]:
+    def prediction_group_ends(self, layers: int) -> frozenset[int]:
         """The layers after which the waiting group is predicted: every PREDICT_GROUP sparse layers,
         and the last layer on its own, so that in an eager step the prediction left after the last layer
         is one layer's, beside the final norm and the logits (a captured step defers the last groups to its
-        tail graph instead: capture_tail). `shrinking`: 4 layers before the end too (SHRINK_GROUPS)."""
+        tail graph instead: capture_tail)."""
         first = self.cfg.dense_layers
         ends = {layer for layer in range(first, layers) if (layer - first + 1) % self.PREDICT_GROUP == 0}
-        ends |= {layers - 2, layers - 1} | ({layers - 4} if shrinking else set())
+        ends |= {layers - 2, layers - 1}
         return frozenset(e for e in ends if e >= first)
 
-    def steps_overlap(self) -> None:
-        """No tail graph: with the host ahead, the next replay would wait for the tail's copies (H200, qwen3-8b
-        b16 x 16K, async scheduling: 10.27 ms per step with a 6-layer tail against 9.72-9.80 without,
-        docs/BENCHMARKS.md, fifteenth session)."""
-        layers = self.pool.kv.shape[0]
-        self.tail_from = layers
-        self.group_ends = self.prediction_group_ends(layers, shrinking=self.SHRINK_GROUPS)
+    def first_layer_of_group_ending_at(self, layer: int) -> int:
+        """The first layer of the first group whose prediction is made at `layer` or after: a group is deferred
+        whole, so the tail graph predicts from there on (the number of layers when `layer` is past the last)."""
+        earlier = [e for e in self.group_ends if e < layer]
+        return max(earlier) + 1 if earlier else self.cfg.dense_layers
 
     def graph_key(self):
         """Captured: steps without a cold request (its first decode fetches every miss); whether a draft
@@ -181,39 +206,57 @@ class OasisPolicy(TieredPolicy):
         super().begin_capture()
         self.deferring = True
 
-    def capture_tail(self, pool):
-        """The deferred groups' prediction, captured on the copy stream: (graph, their layers), or None."""
+    def end_capture(self) -> None:
+        """In the step's graph, at its end: copies of what the tail graph reads that the next step rewrites before it
+        waits for the tail (its rows, tables and step number, written as it starts)."""
+        if self.deferred:
+            self.tail_inputs = self.predict_inputs(self.rows_now).copy()
+        super().end_capture()
+
+    def capture_tail(self) -> Tail | None:
+        """The deferred groups' prediction, captured on the tail stream, or None."""
         self.deferring = False
         groups, self.deferred = self.deferred, []
+        inputs, self.tail_inputs = self.tail_inputs, None
         if not groups:
             return None
+        if self.tail_pool is None:
+            self.tail_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=self.copy_stream):
-            self.predict_deferred(groups)
-        self.capture_refs.clear()  # the tail's streams have joined: what it read may be reused
-        return graph, [layer for group in groups for layer, _ in group]
+        with torch.cuda.graph(graph, pool=self.tail_pool, stream=self.tail_stream):
+            self.predict_deferred(groups, inputs)
+            self.tail_done.record()
+        self.capture_refs.clear()
+        return Tail(graph, [layer for group in groups for layer, _ in group], (groups, inputs))
 
-    def predict_deferred(self, groups: list[list[tuple[int, torch.Tensor]]]) -> None:
-        """The prediction of groups whose layers were computed, but not predicted from, this step."""
+    def predict_deferred(self, groups: list[list[tuple[int, torch.Tensor]]], inputs: PredictInputs | None = None
+                         ) -> None:
+        """The prediction of groups whose layers were computed, but not predicted from, this step, on the current
+        stream. `inputs`: default this step's."""
+        inputs = inputs or self.predict_inputs(self.rows_now)
         for group in groups:
-            self.waiting = group
-            self.predict_and_prefetch(self.rows_now)
+            self.predict([layer for layer, _ in group], [scores for _, scores in group], inputs, self.TAIL_LANE)
 
-    def replay_tail(self, tail) -> None:
-        """The next replay waits for it (before_replay); an eager step, per layer (wait_for_prefetch)."""
+    def replay_tail(self, tail: Tail | None) -> None:
+        """The next replay waits for it inside its graph; an eager step, per layer (wait_for_prefetch)."""
         if tail is None:
             return
-        graph, layers = tail
-        self.copy_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.copy_stream):
-            graph.replay()
-        done = self.copy_stream.record_event()
-        for layer in layers:
+        self.tail_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.tail_stream):
+            tail.graph.replay()
+        done = self.tail_stream.record_event()
+        for layer in tail.layers:
             self.prefetched[layer] = done
 
-    def reset_tail(self, tail) -> None:
+    def reset_tail(self, tail: Tail | None) -> None:
         if tail is not None:
-            tail[0].reset()
+            tail.graph.reset()
+
+    def wait_for_copies(self) -> None:
+        """Also for the last tail graph, outside a capture (a capture joins only the streams it forked)."""
+        super().wait_for_copies()
+        if self.cuda and not torch.cuda.is_current_stream_capturing():
+            torch.cuda.current_stream().wait_stream(self.tail_stream)
 
     # -- one layer -----------------------------------------------------------------------------------
     def decode(self, layer, q, k, v, out) -> None:
@@ -271,9 +314,15 @@ class OasisPolicy(TieredPolicy):
 
     def wait_for_prefetch(self, layer: int) -> None:
         done, self.prefetched[layer] = self.prefetched[layer], None
-        # in a capture, eager steps' copies and the last tail are waited for before the replay (before_replay),
-        # and the graph's own copies are joined at its end
-        if done is None or torch.cuda.is_current_stream_capturing():
+        # in a capture, eager steps' copies are waited for before the replay (before_replay), the last tail graph
+        # before the first layer it predicted, and the graph's own copies are joined at its end
+        if not self.cuda:  # the CPU predicts synchronously
+            return
+        if torch.cuda.is_current_stream_capturing():
+            if layer == self.first_deferred:
+                torch.cuda.current_stream().wait_event(self.tail_done)
+            return
+        if done is None:
             return
         compute = torch.cuda.current_stream()
         start = self.clock.mark(compute)
@@ -369,42 +418,50 @@ class OasisPolicy(TieredPolicy):
         layers, scores = [layer for layer, _ in group], [s for _, s in group]
         if not self.cuda:
             with self.timer("prefetch"):
-                self.predict(layers, scores, rows.draft_nblocks)
+                self.predict(layers, scores, self.predict_inputs(rows), lane=1)
             return
         side, capturing = self.copy_stream, torch.cuda.is_current_stream_capturing()
         side.wait_stream(torch.cuda.current_stream())  # the draft's scores, and readers of slots it evicts
         self.keep_alive((*scores, rows.draft_nblocks, self.rows, self.host_tables), side)
         with torch.cuda.stream(side):
             start = None if capturing else self.clock.mark(side)  # no timing events in a graph
-            self.predict(layers, scores, rows.draft_nblocks)
+            self.predict(layers, scores, self.predict_inputs(rows), lane=1)
             if start is not None:
                 done = self.clock.close("prefetch", start, side)
                 for layer in layers:
                     self.prefetched[layer] = done
 
-    def predict(self, layers: list[int], draft_scores: list[torch.Tensor], nblocks: torch.Tensor) -> None:
+    def predict_inputs(self, rows: DraftRows) -> PredictInputs:
+        """This step's. The step number: eagerly the copy stream's, which the next step's begin_step rewrites
+        after this step's copy-stream work; in a graph the compute stream's, which it rewrites after the graph
+        (the copy-stream branches joined at its end, and the tail reads a copy)."""
+        capturing = self.cuda and torch.cuda.is_current_stream_capturing()
+        return PredictInputs(self.rows, rows.draft_nblocks, self.host_tables,
+                             self.step_tensor if capturing else self.copy_step)
+
+    def predict(self, layers: list[int], draft_scores: list[torch.Tensor], inputs: PredictInputs, lane: int) -> None:
         """On the current stream, for consecutive `layers` at once (rows = (layer, request) pairs):
-        prediction, placement, copies, and their counters (lane 1). `draft_scores`: per layer the drafts'
-        block scores, fp32 [B, W + 1], all ranks' heads (score_now_and_draft); `nblocks`: int32 [B], the
-        drafts' logical blocks."""
-        g, b = len(layers), len(nblocks)
+        prediction, placement, copies, and their counters (in `lane`, the stream's). `draft_scores`: per layer
+        the drafts' block scores, fp32 [B, W + 1], all ranks' heads (score_now_and_draft)."""
+        g, b = len(layers), len(inputs.nblocks)
         # fresh contiguous lists: with one request, reshape(-1) of an expanded row list is a stride-0 view,
         # which kernels indexing rows[i] read past
         layer_of = self.layer_ids[layers[0]: layers[-1] + 1, None].expand(g, b).reshape(-1)
-        rows = self.rows.repeat(g)
-        host_tables = self.host_tables.repeat(g, 1)
+        rows = inputs.rows.repeat(g)
+        host_tables = inputs.host_tables.repeat(g, 1)
         scores = torch.cat(draft_scores)
         plan = predict_prefetch if self.cuda else predict_prefetch_reference  # one kernel on the GPU
-        _, predicted, fetch = plan(scores, nblocks.repeat(g), self.budget_blocks, self.cfg.sink_blocks,
+        _, predicted, fetch = plan(scores, inputs.nblocks.repeat(g), self.budget_blocks, self.cfg.sink_blocks,
                                    self.cfg.local_blocks, self.fetch_cap_blocks, self.ws.max_blocks + 1,
                                    slot_of=self.ws.slot_of, layer_of=layer_of, rows=rows)
         self.predicted[layer_of, rows] = predicted  # also what placement must keep
-        fetched, _, copies = self.place(layer_of, fetch, predicted, lane=1, rows=rows,
-                                        host_tables=host_tables)
+        fetched, _, copies = self.place(layer_of, fetch, predicted, lane=lane, rows=rows,
+                                        host_tables=host_tables, step=inputs.step)
         self.copy_from_host(copies, programs=self.PREFETCH_PROGRAMS or None)
-        self.count("prefetched_blocks", fetched, lane=1)
-        self.flush_counts(layer_of, lane=1, rows=rows)
-        torch.maximum(self.most_prefetched, fetched.sum(1).max(), out=self.most_prefetched)
+        self.count("prefetched_blocks", fetched, lane=lane)
+        self.flush_counts(layer_of, lane=lane, rows=rows)
+        most = self.most_prefetched[lane]
+        torch.maximum(most, fetched.sum(1).max(), out=most)
 
     # -- statistics -----------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -418,7 +475,7 @@ class OasisPolicy(TieredPolicy):
         out["kv_prefetch_bytes"] = out["kv_prefetched_blocks"] * chunk
         out["kv_prefetch_bytes_per_step"] = out["kv_prefetch_bytes"] / max(self.decode_steps, 1)
         out["kv_fetch_cap_blocks"] = self.fetch_cap_blocks
-        out["kv_max_prefetched_blocks"] = int(self.most_prefetched)
+        out["kv_max_prefetched_blocks"] = int(self.most_prefetched.max())
         if self.clock:
             torch.cuda.synchronize()
             self.clock.collect()

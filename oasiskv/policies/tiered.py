@@ -39,6 +39,7 @@ class TieredPolicy(SparsePolicy):
     COUNTERS = ("selected_blocks", "hits", "misses", "fetched_blocks", "tail_fetches")
     counts_selections = False  # "selected_blocks" is one of COUNTERS
     STEP_TENSORS = ("rows",)
+    LANES = 2  # streams that count
 
     def __init__(self, pool: KVPool, host: HostStore, working_set: WorkingSet, kv_cfg: KVConfig,
                  summaries: BlockSummaries, block_size: int, scale: float, device: torch.device,
@@ -46,11 +47,12 @@ class TieredPolicy(SparsePolicy):
         super().__init__(kv_cfg, summaries, block_size, scale, device, timing)
         self.pool, self.host, self.ws = pool, host, working_set
         self.counter_index = {name: i for i, name in enumerate(self.COUNTERS)}
-        # one set of counters per stream that counts ("lane" 0: compute, 1: copy): no two streams
-        # accumulate into the same memory
-        self.row_counts = torch.zeros(2, working_set.rows, len(self.COUNTERS), dtype=torch.int64, device=device)
-        self.layer_counts = torch.zeros(2, pool.kv.shape[0], len(self.COUNTERS), dtype=torch.int64, device=device)
-        self.pending: list[dict[int, torch.Tensor]] = [{}, {}]
+        # one set of counters per stream that counts ("lane" 0: compute, 1: copy, 2: oasis's tail graph): no two
+        # streams accumulate into the same memory
+        lanes = self.LANES
+        self.row_counts = torch.zeros(lanes, working_set.rows, len(self.COUNTERS), dtype=torch.int64, device=device)
+        self.layer_counts = torch.zeros(lanes, pool.kv.shape[0], len(self.COUNTERS), dtype=torch.int64, device=device)
+        self.pending: list[dict[int, torch.Tensor]] = [{} for _ in range(lanes)]
         self.counter_ids: dict[tuple[int, ...], torch.Tensor] = {}  # made once: no host copy in a capture
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         # prefill's whole blocks go to the pinned host store by DMA on their own stream (HostStore.write_span):
@@ -263,13 +265,15 @@ class TieredPolicy(SparsePolicy):
         self.copy_from_host(copies, stream)
         return miss, slots
 
-    def place(self, layer, wanted, protect, only=None, lane: int = 0, rows=None, host_tables=None):
+    def place(self, layer, wanted, protect, only=None, lane: int = 0, rows=None, host_tables=None, step=None):
         """The working-set half of fetch: slots for `wanted`, and the copies that fill the missing
         ones as (layer ids, host blocks, slots) lists with -1 for no copy. `layer` is an int, or (with
-        `rows` and their `host_tables`) a long tensor of each row's layer."""
+        `rows` and their `host_tables`) a long tensor of each row's layer. `step`: the number stamped as
+        last use (default this step's, as the lane's stream reads it)."""
         rows = self.rows if rows is None else rows
         host_tables = self.host_tables if host_tables is None else host_tables
-        step = self.copy_step if lane else self.step_tensor
+        if step is None:
+            step = self.copy_step if lane else self.step_tensor
         miss, slots, src, dst = self.ws.place_with_copies(layer, rows, wanted, protect, step, host_tables, only)
         if isinstance(layer, torch.Tensor):
             layers = layer[:, None].expand_as(dst).to(torch.int32).reshape(-1)
@@ -314,7 +318,8 @@ class TieredPolicy(SparsePolicy):
             torch.cuda.current_stream().wait_stream(self.copy_stream)
 
     def before_replay(self) -> None:
-        self.wait_for_copies()
+        if self.cuda:  # the copies eager steps left (not oasis's tail graph: its next replay waits inside)
+            torch.cuda.current_stream().wait_stream(self.copy_stream)
 
     def begin_capture(self) -> None:
         self.copy_stream.wait_stream(torch.cuda.current_stream())
