@@ -64,7 +64,10 @@ def same_share(a: dict, b: dict) -> str:
 def check(args) -> bool:
     prompts = prompts_for(args.batch, args.context)
     ok, quest_tokens = True, None
-    for mode in args.check_modes.split(","):
+    modes = list(filter(None, args.check_modes.split(",")))
+    if "oasis" in modes and "quest" not in modes[:modes.index("oasis")]:
+        modes.insert(modes.index("oasis"), "quest")  # oasis's teacher draft is quest's tokens
+    for mode in modes:
         runs = {}
         for eager in (True, False):
             teacher = None

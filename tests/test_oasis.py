@@ -13,6 +13,7 @@ from oasiskv.config import CacheConfig, EngineConfig, KVConfig, SamplingParams a
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.lookahead.ngram import NgramDraft
 from oasiskv.lookahead.teacher import TeacherDraft
+from oasiskv.policies.oasis import TailBuffers
 from oasiskv.lookahead.draft_data import stdlib_prompts
 
 from tests.test_sparse_modes import PROMPTS
@@ -255,12 +256,14 @@ def test_prefill_first_schedule_gives_the_tokens_of_the_mixed_schedule(tmp_path,
 def test_prediction_deferred_after_the_step_changes_nothing(tmp_path):
     """A captured step leaves its last groups' prediction to a tail graph, queued right after the step's forward
     pass and before the sampling and releases. Run the same way eagerly (every group deferred, predicted once the
-    forward pass has returned), oasis gives the tokens, counters and working sets of predicting in the step."""
+    forward pass has returned), oasis gives the tokens, counters and working sets of predicting in the step. The
+    tail reads copies in TailBuffers, as on the GPU; the originals are spoiled before it runs."""
     runs = []
     for deferred in (False, True):
         engine = tiny_engine(tmp_path, fetch_cap=0.25, draft="ngram")
         policy, execute, deferred_groups = engine.policy, engine.runner.execute, []
-        assert policy.tail_from == 0  # 3 layers: every group is in the tail
+        assert policy.tail_from == 0 and policy.first_deferred == 0  # 3 layers: every group is in the tail
+        buffers = TailBuffers(policy.ws.rows, policy.ws.max_blocks + 1, 3, "cpu")
 
         def forward_then_tail(plan, pending=None, execute=execute):
             policy.deferring = deferred
@@ -268,7 +271,14 @@ def test_prediction_deferred_after_the_step_changes_nothing(tmp_path):
             policy.deferring = False
             groups, policy.deferred = policy.deferred, []
             deferred_groups.extend(groups)
-            policy.predict_deferred(groups)
+            if groups:
+                with torch.inference_mode():  # as the runner's forward pass
+                    originals = policy.predict_inputs(policy.rows_now)
+                    scores = [s for group in groups for _, s in group]
+                    inputs, kept = buffers.fill(originals, scores)
+                    for t in (originals.host_tables, originals.nblocks, *scores):
+                        t.fill_(-7)  # what the next step (or another graph) would write there
+                    policy.predict_deferred(groups, inputs, kept)
             return result
 
         engine.runner.execute = forward_then_tail

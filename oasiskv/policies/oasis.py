@@ -45,18 +45,43 @@ class PredictInputs:
     host_tables: torch.Tensor
     step: torch.Tensor
 
-    def copy(self) -> "PredictInputs":
-        return PredictInputs(*(t.clone() for t in (self.rows, self.nblocks, self.host_tables, self.step)))
+
+
+class TailBuffers:
+    """Where a captured step leaves, at its end, what its tail graph reads: the PredictInputs and the deferred
+    layers' draft scores. The next step rewrites the originals before it waits for the tail, and the graphs'
+    shared pool may give their memory to another graph's temporaries; these buffers are outside every pool, and
+    a step's graph writes them only after it has waited for the last tail. Sized for `rows` requests, tables
+    `width` wide and `layers` deferred layers."""
+
+    def __init__(self, rows: int, width: int, layers: int, device):
+        self.rows = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.nblocks = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.tables = torch.zeros(rows * width, dtype=torch.int32, device=device)
+        self.step = torch.zeros((), dtype=torch.int64, device=device)
+        self.scores = torch.zeros(layers * rows * width, dtype=torch.float32, device=device)
+        self.width, self.layers = width, layers
+
+    def fill(self, inputs: PredictInputs, scores: list[torch.Tensor]) -> tuple[PredictInputs, torch.Tensor]:
+        """Copies of `inputs` and of the draft scores (each fp32 [B, W]): (inputs, scores [layers, B, W])."""
+        b, w = inputs.host_tables.shape
+        if b > len(self.rows) or w > self.width or len(scores) > self.layers:
+            raise ValueError(f"a tail of {len(scores)} layers x {b} rows x {w} blocks exceeds its buffers "
+                             f"({self.layers} x {len(self.rows)} x {self.width})")
+        out = PredictInputs(self.rows[:b], self.nblocks[:b], self.tables[:b * w].view(b, w), self.step)
+        for dst, src in zip((out.rows, out.nblocks, out.host_tables, out.step),
+                            (inputs.rows, inputs.nblocks, inputs.host_tables, inputs.step)):
+            dst.copy_(src)
+        kept = self.scores[:len(scores) * b * w].view(len(scores), b, w)
+        torch.stack(scores, out=kept)
+        return out, kept
 
 
 @dataclass
 class Tail:
-    """A captured step's deferred prediction: its graph, the layers it predicts, and the tensors it reads
-    (kept alive as long as the graph: the step's graph pool must not hand their memory to another graph, which
-    may run while this one does)."""
+    """A captured step's deferred prediction: its graph and the layers it predicts."""
     graph: torch.cuda.CUDAGraph
     layers: list[int]
-    reads: tuple
 
 
 @dataclass
@@ -133,7 +158,7 @@ class OasisPolicy(TieredPolicy):
         self.first_deferred = self.first_layer_of_group_ending_at(self.tail_from)
         self.deferring = False
         self.deferred: list[list[tuple[int, torch.Tensor]]] = []
-        self.tail_inputs: PredictInputs | None = None
+        self.tail_inputs: tuple[PredictInputs, torch.Tensor] | None = None  # in tail_buffers
         if self.cuda:  # the clock of the copy stream's placements, written on that stream (begin_step)
             self.copy_step = torch.zeros((), dtype=torch.int64, device=self.pool.kv.device)
             self.tail_stream = torch.cuda.Stream(self.pool.kv.device)
@@ -141,6 +166,8 @@ class OasisPolicy(TieredPolicy):
             self.tail_done = torch.cuda.Event(external=True)
             self.tail_done.record(self.tail_stream)  # created now: waiting on an event never recorded captures nothing
             self.tail_pool = None  # the tail graphs' memory: never the steps', which run beside them
+            self.tail_buffers = TailBuffers(rows, self.ws.max_blocks + 1, layers - self.first_deferred,
+                                            self.pool.kv.device)
         names = {"selected": "selected_blocks"}  # kernels/residency.py's counters -> ours
         self.residency_counters = torch.tensor([self.counter_index[names.get(c, c)] for c in RESIDENCY_COUNTERS],
                                                device=self.pool.kv.device)
@@ -207,35 +234,38 @@ class OasisPolicy(TieredPolicy):
         self.deferring = True
 
     def end_capture(self) -> None:
-        """In the step's graph, at its end: copies of what the tail graph reads that the next step rewrites before it
-        waits for the tail (its rows, tables and step number, written as it starts)."""
+        """In the step's graph, at its end: what the tail graph reads, copied to its buffers."""
         if self.deferred:
-            self.tail_inputs = self.predict_inputs(self.rows_now).copy()
+            scores = [s for group in self.deferred for _, s in group]
+            self.tail_inputs = self.tail_buffers.fill(self.predict_inputs(self.rows_now), scores)
         super().end_capture()
 
     def capture_tail(self) -> Tail | None:
         """The deferred groups' prediction, captured on the tail stream, or None."""
         self.deferring = False
         groups, self.deferred = self.deferred, []
-        inputs, self.tail_inputs = self.tail_inputs, None
+        kept, self.tail_inputs = self.tail_inputs, None
         if not groups:
             return None
         if self.tail_pool is None:
             self.tail_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.tail_pool, stream=self.tail_stream):
-            self.predict_deferred(groups, inputs)
+            self.predict_deferred(groups, *kept)
             self.tail_done.record()
         self.capture_refs.clear()
-        return Tail(graph, [layer for group in groups for layer, _ in group], (groups, inputs))
+        return Tail(graph, [layer for group in groups for layer, _ in group])
 
-    def predict_deferred(self, groups: list[list[tuple[int, torch.Tensor]]], inputs: PredictInputs | None = None
-                         ) -> None:
+    def predict_deferred(self, groups: list[list[tuple[int, torch.Tensor]]], inputs: PredictInputs | None = None,
+                         scores: torch.Tensor | None = None) -> None:
         """The prediction of groups whose layers were computed, but not predicted from, this step, on the current
-        stream. `inputs`: default this step's."""
+        stream. `inputs` and `scores` (one [B, W] per layer of the groups): default this step's and the groups'."""
         inputs = inputs or self.predict_inputs(self.rows_now)
+        first = 0
         for group in groups:
-            self.predict([layer for layer, _ in group], [scores for _, scores in group], inputs, self.TAIL_LANE)
+            mine = [s for _, s in group] if scores is None else list(scores[first: first + len(group)])
+            self.predict([layer for layer, _ in group], mine, inputs, self.TAIL_LANE)
+            first += len(group)
 
     def replay_tail(self, tail: Tail | None) -> None:
         """The next replay waits for it inside its graph; an eager step, per layer (wait_for_prefetch)."""
