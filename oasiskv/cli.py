@@ -35,9 +35,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--schedule-policy", default=SCHED_DEFAULTS.schedule_policy, choices=SCHEDULE_POLICIES,
                    help="mixed: decodes run every step beside prefill chunks; prefill-first: decodes wait while "
                         "prompts can be admitted or prefills are unfinished (pure decode steps replay CUDA graphs)")
-    g.add_argument("--async-scheduling", action="store_true", default=SCHED_DEFAULTS.async_scheduling,
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=SCHED_DEFAULTS.async_scheduling,
                    help="plan and launch each step while the last runs on the GPU (the host's work per step is "
-                        "then hidden behind the GPU's; a request stopped by a token runs one step more, dropped)")
+                        "then hidden behind the GPU's; a request stopped by a token runs one step more, dropped). "
+                        "Default: on where it helps and can run (a GPU, no draft source that drafts on the host)")
     g.add_argument("--enforce-eager", action="store_true", default=ENGINE_DEFAULTS.enforce_eager,
                    help="never replay CUDA graphs (on the GPU, decode-only steps replay them by default)")
     k = p.add_argument_group("sparse KV")

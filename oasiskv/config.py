@@ -219,8 +219,8 @@ class SchedulerConfig:
     # only and decodes wait (SGLang's default); decode steps then stay pure, and replay CUDA graphs
     schedule_policy: str = "mixed"
     # plan and launch step t+1 while step t runs on the GPU; its input tokens are filled on the device
-    # (engine/overlap.py)
-    async_scheduling: bool = False
+    # (engine/overlap.py). None: on where it helps and can run (a GPU, a draft source that drafts on the device)
+    async_scheduling: bool | None = None
 
     def __post_init__(self):
         if self.schedule_policy not in SCHEDULE_POLICIES:

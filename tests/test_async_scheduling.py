@@ -4,6 +4,7 @@ mode, across stop tokens (a step whose token is dropped), length limits, preempt
 on the device from the same generators)."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 from types import SimpleNamespace
@@ -12,7 +13,9 @@ import pytest
 import torch
 
 from oasiskv.config import CacheConfig, EngineConfig, KVConfig, SamplingParams as SP, SchedulerConfig
+from oasiskv.cli import add_engine_args, engine_config
 from oasiskv.engine.engine import LLMEngine
+from oasiskv.engine.overlap import resolve_async_scheduling
 from oasiskv.evals.forced import teacher_forced
 from oasiskv.server.logprobs import LogprobSampler
 
@@ -161,3 +164,29 @@ def test_teacher_forcing_pauses_async_scheduling_and_scores_the_same(tmp_path):
         forced = teacher_forced(SimpleNamespace(engine=engine), windows, num_scored=20)
         scores.append([(s.logprobs, s.top1) for s in forced])
     assert scores[0] == scores[1] and len(scores[0][0][0]) == 20
+
+
+@pytest.mark.parametrize("setting, device, on_device, want", [
+    (None, "cuda", None, True), (None, "cuda", True, True), (None, "cuda", False, False),  # default: where it runs
+    (None, "cpu", None, False), (None, "cpu", True, False),  # nothing to overlap on the CPU
+    (True, "cpu", True, True), (False, "cuda", True, False), (True, "cuda", None, True)])
+def test_async_scheduling_default_is_on_where_it_helps_and_can_run(setting, device, on_device, want):
+    drafter = None if on_device is None else SimpleNamespace(on_device=on_device, name="x")
+    assert resolve_async_scheduling(setting, drafter, torch.device(device)) is want
+
+
+def test_asking_async_scheduling_with_a_host_draft_source_is_an_error():
+    with pytest.raises(ValueError, match="drafts on the host"):
+        resolve_async_scheduling(True, SimpleNamespace(on_device=False, name="target"), torch.device("cuda"))
+
+
+@pytest.mark.parametrize("flags, want", [([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)])
+def test_the_cli_flag_reaches_the_config(flags, want):
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config(parser.parse_args(flags)).scheduler.async_scheduling is want
+
+
+def test_the_default_engine_on_the_cpu_runs_synchronously(tmp_path):
+    engine = tiny_engine(tmp_path, "dense", None)
+    assert engine.async_scheduling is False and engine.stats_dict()["async_scheduling"] is False

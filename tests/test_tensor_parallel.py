@@ -54,22 +54,28 @@ def prompts() -> list[list[int]]:
     return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (70, 130, 45, 90)]
 
 
-def drive(e: LLMEngine) -> tuple[dict[str, list[int]], dict]:
+def drive(e: LLMEngine, before_step=None) -> tuple[dict[str, list[int]], dict]:
     """Three requests (chunked prefill: 96 tokens a step), one aborted mid-way, one rejected, one
-    arriving late."""
+    arriving late. `before_step(e, i)` runs before step i."""
     p = prompts()
     for i in range(3):
         e.add_request(p[i], GREEDY, request_id=str(i))
     done = {}
     for step in range(8):
+        if before_step:
+            before_step(e, step)
         done.update({r.request_id: r.output_token_ids for r in e.step()})
         if step == 3:
             e.abort("1")
             with pytest.raises(ValueError, match="out of range"):
                 e.add_request([VOCAB + 5], GREEDY)
             e.add_request(p[3], GREEDY, request_id="3")
+    step = 8
     while e.has_unfinished():
+        if before_step:
+            before_step(e, step)
         done.update({r.request_id: r.output_token_ids for r in e.step()})
+        step += 1
     stats = e.stats_dict()
     return done, {k: stats.get(k) for k in COUNTERS}
 
@@ -84,6 +90,39 @@ def test_tp2_with_async_scheduling_equals_one_process(tmp_path, mode):
     got, got_stats = drive(tp)
     assert set(got) == {"0", "2", "3"} and got == want and got_stats == want_stats
     assert mode != "dense" or want_stats["preemptions"] > 0
+    tp.close()
+    assert workers_exit(procs)
+
+
+class PausingSampler:
+    """The engine's sampler, made to read each step's tokens on the host while `pause` is set (as the server's
+    logprob sampler does while a request wants logprobs): rank 0 then runs a step without overlap."""
+
+    def __init__(self, inner):
+        self.inner, self.pause = inner, False
+
+    @property
+    def reads_each_step(self) -> bool:
+        return self.pause
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def pause_some_steps(e: LLMEngine, step: int) -> None:
+    if step == 0:
+        e.sampler = PausingSampler(e.sampler)
+    e.sampler.pause = step in (2, 3, 6, 9, 10)
+
+
+def test_tp2_async_scheduling_with_paused_steps_equals_one_process(tmp_path):
+    """Where rank 0 pauses async scheduling (its sampler reads each step), it sends no tokens, and the other rank
+    does not wait for any: the tokens and counters of one process paused at the same steps."""
+    want, want_stats = drive(engine(tmp_path, "oasis", 1, async_scheduling=True), pause_some_steps)
+    tp = engine(tmp_path, "oasis", 2, async_scheduling=True)
+    procs = tp.tp.procs
+    got, got_stats = drive(tp, pause_some_steps)
+    assert set(got) == {"0", "2", "3"} and got == want and got_stats == want_stats
     tp.close()
     assert workers_exit(procs)
 

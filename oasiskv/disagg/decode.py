@@ -93,7 +93,7 @@ class DecodeEngine(LLMEngine):
             req = self.requests.get(rid)
             if req is None:
                 continue
-            if not self.config.scheduler.async_scheduling:
+            if not self.async_scheduling:
                 del req.output_token_ids[before.get(rid, len(req.output_token_ids)):]
             req.error = message
             if req.status != RequestStatus.FINISHED:

@@ -51,27 +51,28 @@ class TensorParallel:
     def note_release(self, request_id: str) -> None:
         self.released.append(request_id)
 
-    def send_step(self, plan) -> None:
-        """Rank 0: the step plan and the requests released before it, to every other rank."""
+    def send_step(self, plan, tokens_follow: bool = False) -> None:
+        """Rank 0: the step plan and the requests released before it, to every other rank; `tokens_follow`: the
+        step's sampled tokens follow by send_tokens (async scheduling)."""
         dead = [p for p in self.procs if not p.is_alive()]
         if dead:
             raise RuntimeError(f"tensor-parallel rank process {dead[0].name} exited (code {dead[0].exitcode}): "
                                "this engine cannot run; close it and start a new one")
         t0 = time.perf_counter()
         self.tables.forget(self.released)
-        self.broadcast((self.tables.encode(plan), self.released))
+        self.broadcast((self.tables.encode(plan), self.released, tokens_follow))
         self.released = []
         self.plans_sent += 1
         self.plan_seconds += time.perf_counter() - t0
 
     def receive_step(self):
-        """Other ranks: (plan, released request ids), or None when the engine closes."""
+        """Other ranks: (plan, released request ids, whether its tokens follow), or None when the engine closes."""
         message = self.broadcast(None)
         if message is None:
             return None
-        plan, released = message
+        plan, released, tokens_follow = message
         self.tables.forget(released)
-        return self.tables.decode(plan), released
+        return self.tables.decode(plan), released, tokens_follow
 
     def stats(self) -> dict:
         out = {"tp_size": self.world, "tp_plans_sent": self.plans_sent,

@@ -136,14 +136,14 @@ def run_rank(config: EngineConfig, rank: int, world: int, init_file: str, device
 def run_plans(engine, tp: TensorParallel) -> None:
     pending = None  # async scheduling: the tokens rank 0 sampled in the last step, which the next plan reads
     while (message := tp.receive_step()) is not None:
-        plan, released = message
+        plan, released, tokens_follow = message
         for request_id in released:
             engine.policy.release(request_id)
             engine.policy.request_stats(request_id)  # forget its counters: only rank 0 reports them
         if plan.chunks:
             result = engine.runner.execute(plan, pending)
             pending = None
-            if engine.config.scheduler.async_scheduling and result.request_ids:
+            if tokens_follow and result.request_ids:  # rank 0 overlapped this step (it may pause: engine.overlap_now)
                 tokens = tp.receive_tokens(len(result.request_ids))
                 pending = PendingTokens(tokens, {rid: i for i, rid in enumerate(result.request_ids)})
 

@@ -14,7 +14,7 @@ from oasiskv.distributed.launch import start_tensor_parallel
 from oasiskv.distributed.setup import attach_score_combiner, shard_for_rank
 from oasiskv.engine.request import Request
 from oasiskv.engine.cuda_graph import DecodeGraphs
-from oasiskv.engine.overlap import InFlight, check_async_scheduling
+from oasiskv.engine.overlap import InFlight, resolve_async_scheduling
 from oasiskv.engine.upload import HostCopies
 from oasiskv.engine.runner import ModelRunner
 from oasiskv.engine.sampler import Sampler
@@ -111,7 +111,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self.in_flight: InFlight | None = None  # async scheduling: the step whose tokens are still on the device
         self.token_copies = HostCopies()
-        check_async_scheduling(config, self.drafter)
+        self.async_scheduling = resolve_async_scheduling(config.scheduler.async_scheduling, self.drafter, self.device)
         self._ids = itertools.count()
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -152,7 +152,8 @@ class LLMEngine:
     def stats_dict(self) -> dict:
         graphs = self.runner.graphs.counts if self.runner.graphs else {}
         tp = self.tp.stats() if self.tp else {}
-        return {"kv_mode": self.policy.name, **self.stats.as_dict(), **graphs, **self.policy.stats(), **tp}
+        return {"kv_mode": self.policy.name, "async_scheduling": self.async_scheduling, **self.stats.as_dict(), **graphs,
+                **self.policy.stats(), **tp}
 
     def close(self) -> None:
         """Stops the other tensor-parallel ranks (also done when the engine is garbage-collected)."""
@@ -214,7 +215,7 @@ class LLMEngine:
             return landed + (self.land() if self.in_flight is not None else [])
         t0 = time.perf_counter()
         if self.tp:
-            self.tp.send_step(plan)
+            self.tp.send_step(plan, tokens_follow=overlap)
         result = self.runner.execute(plan, self.in_flight.pending if self.in_flight is not None else None)
         self.count_step(plan)
         if overlap:
@@ -269,7 +270,7 @@ class LLMEngine:
         """Plan the next step before this one's tokens are read (--async-scheduling). Not with a host draft source
         set after construction (as the tests' teacher is), nor while the sampler reads each step (the server's
         logprobs): both need each step's tokens on the host."""
-        return (self.config.scheduler.async_scheduling and (self.drafter is None or self.drafter.on_device)
+        return (self.async_scheduling and (self.drafter is None or self.drafter.on_device)
                 and not self.sampler.reads_each_step)
 
     def land(self) -> list[Request]:

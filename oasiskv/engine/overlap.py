@@ -57,10 +57,14 @@ class InFlight:
         return self.host_tokens.tolist()
 
 
-def check_async_scheduling(config, drafter) -> None:
-    """Raises ValueError for a configuration that cannot overlap its steps."""
-    if not config.scheduler.async_scheduling:
-        return
-    if drafter is not None and not drafter.on_device:
+def resolve_async_scheduling(setting: bool | None, drafter, device: torch.device) -> bool:
+    """Whether the engine overlaps its steps. `setting` None (the default): where it helps and can run, that is on a
+    GPU (on the CPU each op runs as it is launched, so there is nothing to overlap) with no draft source or one that
+    drafts on the device. True where it cannot run raises ValueError."""
+    host_drafts = drafter is not None and not drafter.on_device
+    if setting is None:
+        return device.type == "cuda" and not host_drafts
+    if setting and host_drafts:
         raise ValueError(f"--async-scheduling needs a draft source that drafts on the device (--draft ngram); "
                          f"--draft {drafter.name} drafts on the host from each step's tokens")
+    return setting
