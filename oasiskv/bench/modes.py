@@ -78,6 +78,7 @@ def measure_mode(engine, args, hbm_gbps: float, concurrency: int | None = None, 
                              engine.model_config.vocab_size, args.prompt_seed)
     row = add_roofline(run_workload(engine, prompts, args.output_len, concurrency), hbm_gbps)
     row["max_concurrency"] = held
+    row["async_scheduling"] = engine.async_scheduling
     if getattr(args, "profile_step", False):
         row["step_profile"] = profile_step(engine, concurrency, args.input_len, args.profile_steps, args.prompt_seed)
         print(format_profile(row["mode"], row["step_profile"]))
