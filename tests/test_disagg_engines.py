@@ -107,20 +107,51 @@ def test_prefill_lease_runs_out_without_word_and_is_renewed_while_decoding(confi
     assert prefill.exporter.released == 1 and prefill.allocator.num_free == prefill.allocator.num_blocks
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_a_lost_prefill_fails_only_its_requests(config, overlap):
-    config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, async_scheduling=overlap))
+class PausedSampler:
+    """The engine's sampler, reading each step's tokens on the host (as the server's logprobs do): async scheduling
+    pauses from the step it is set in."""
+
+    reads_each_step = True
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def run_with_a_lost_prefill(config, overlap) -> tuple[DecodeEngine, list[list[int]]]:
+    """Two remote requests; the prefill instance of the first is lost after two steps."""
+    sched = dataclasses.replace(config.scheduler, async_scheduling=bool(overlap))
+    config = dataclasses.replace(config, scheduler=sched)
     ids_list = prompts(2)
     lost, kept = (PrefillEngine(config, DisaggConfig(role="prefill")) for _ in range(2))
     decode = DecodeEngine(config, DisaggConfig(role="decode", remote_cache_blocks=0))
     decode.add_request(ids_list[0], GREEDY, "lost", kv_transfer_params=prefilled(lost, "a", ids_list[0]))
     decode.add_request(ids_list[1], GREEDY, "kept", kv_transfer_params=prefilled(kept, "b", ids_list[1]))
     decode.step()
+    decode.step()
     decode.remote.agent.forget(lost.exporter.agent.name)  # as after a disconnect: reads from it now fail
+    if overlap == "paused":
+        decode.sampler = PausedSampler(decode.sampler)
     run(decode)
+    return decode, ids_list
+
+
+@pytest.mark.parametrize("overlap", [False, True, "paused"])
+def test_a_lost_prefill_fails_only_its_requests(config, overlap):
+    """The failed request keeps the tokens of the steps that had its KV, the synchronous engine's: also with async
+    scheduling, and where it pauses in the step that notices (that step lands the step before's token, then reads
+    its own, which is dropped)."""
+    decode, ids_list = run_with_a_lost_prefill(config, overlap)
     failed = decode.requests["lost"]
     assert failed.finish_reason == "abort" and "prefill instance" in failed.error and "gone" in failed.error
-    assert decode.requests["kept"].output_token_ids == single_instance(config, ids_list)[1]
+    want = single_instance(config, ids_list)
+    assert failed.output_token_ids == want[0][:len(failed.output_token_ids)]  # right while it had the KV
+    if overlap:
+        sync, _ = run_with_a_lost_prefill(config, False)
+        assert failed.output_token_ids == sync.requests["lost"].output_token_ids
+    assert decode.requests["kept"].output_token_ids == want[1]
     assert decode.remote.chunks.entries_used == 0 and decode.allocator.num_free == decode.allocator.num_blocks
 
 

@@ -13,7 +13,6 @@ from oasiskv.config import CacheConfig, EngineConfig, KVConfig, SamplingParams a
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.lookahead.ngram import NgramDraft
 from oasiskv.lookahead.teacher import TeacherDraft
-from oasiskv.policies.oasis import TailBuffers
 from oasiskv.lookahead.draft_data import stdlib_prompts
 
 from tests.test_sparse_modes import PROMPTS
@@ -263,24 +262,29 @@ def test_prediction_deferred_after_the_step_changes_nothing(tmp_path):
         engine = tiny_engine(tmp_path, fetch_cap=0.25, draft="ngram")
         policy, execute, deferred_groups = engine.policy, engine.runner.execute, []
         assert policy.tail_from == 0 and policy.first_deferred == 0  # 3 layers: every group is in the tail
-        buffers = TailBuffers(policy.ws.rows, policy.ws.max_blocks + 1, 3, "cpu")
+        begin_step = policy.begin_step
+
+        def begin_then_defer(meta, begin_step=begin_step):
+            begin_step(meta)
+            policy.deferring = deferred  # as begin_capture does in a capture
 
         def forward_then_tail(plan, pending=None, execute=execute):
-            policy.deferring = deferred
             result = execute(plan, pending)
-            policy.deferring = False
-            groups, policy.deferred = policy.deferred, []
+            groups = policy.deferred
             deferred_groups.extend(groups)
             if groups:
                 with torch.inference_mode():  # as the runner's forward pass
                     originals = policy.predict_inputs(policy.rows_now)
                     scores = [s for group in groups for _, s in group]
-                    inputs, kept = buffers.fill(originals, scores)
-                    for t in (originals.host_tables, originals.nblocks, *scores):
+                    policy.end_capture()  # the step graph's end: what the tail reads, into its buffers
+                    for t in (originals.rows, originals.host_tables, originals.nblocks, originals.step, *scores):
                         t.fill_(-7)  # what the next step (or another graph) would write there
-                    policy.predict_deferred(groups, inputs, kept)
+                    kept, policy.tail_inputs, policy.deferred = policy.tail_inputs, None, []
+                    policy.predict_deferred(groups, *kept)
+            policy.deferring = False
             return result
 
+        policy.begin_step = begin_then_defer
         engine.runner.execute = forward_then_tail
         gen = torch.Generator().manual_seed(2)
         for i in range(3):

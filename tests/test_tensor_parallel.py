@@ -120,9 +120,16 @@ def test_tp2_async_scheduling_with_paused_steps_equals_one_process(tmp_path):
     does not wait for any: the tokens and counters of one process paused at the same steps."""
     want, want_stats = drive(engine(tmp_path, "oasis", 1, async_scheduling=True), pause_some_steps)
     tp = engine(tmp_path, "oasis", 2, async_scheduling=True)
-    procs = tp.tp.procs
+    procs, send_step, follows = tp.tp.procs, tp.tp.send_step, []
+
+    def send_and_note(plan, tokens_follow=False):
+        follows.append(tokens_follow)
+        send_step(plan, tokens_follow)
+
+    tp.tp.send_step = send_and_note
     got, got_stats = drive(tp, pause_some_steps)
     assert set(got) == {"0", "2", "3"} and got == want and got_stats == want_stats
+    assert follows.count(False) >= 3 and follows.count(True) >= 3  # both kinds of step ran
     tp.close()
     assert workers_exit(procs)
 

@@ -75,26 +75,25 @@ class DecodeEngine(LLMEngine):
 
     # -- the loop ------------------------------------------------------------------------------------------
     def step(self):
-        before = {rid: len(r.output_token_ids) for rid, r in self.requests.items()}
         self.remote.keep_alive()
         finished = super().step()
         for req in list(self.scheduler.waiting):
             if req.num_computed_tokens == 0:  # preempted: its prompt KV cannot be recomputed here
                 self.remote.failed.setdefault(req.request_id, PREEMPTED)
-        self.fail_lost(before)
+        self.fail_lost()
         return finished
 
-    def fail_lost(self, before: dict[str, int]) -> None:
-        """Ends the requests whose remote KV was lost, without the token of the step that noticed. (With async
-        scheduling that token is still on the device, and is dropped when read: the tokens this call added came
-        from the step before, which had the KV.)"""
+    def fail_lost(self) -> None:
+        """Ends the requests whose remote KV was lost, without the token of the step that noticed. Where that step
+        overlapped (async scheduling) its token is still on the device, and is dropped when read; the tokens this
+        call landed came from the step before, which had the KV (sampled_from lists only the tokens read at once)."""
         for rid, message in list(self.remote.failed.items()):
             del self.remote.failed[rid]
             req = self.requests.get(rid)
             if req is None:
                 continue
-            if not self.async_scheduling:
-                del req.output_token_ids[before.get(rid, len(req.output_token_ids)):]
+            if rid in self.sampled_from:
+                del req.output_token_ids[self.sampled_from[rid]:]
             req.error = message
             if req.status != RequestStatus.FINISHED:
                 self.abort(rid)

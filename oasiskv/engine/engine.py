@@ -110,6 +110,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.in_flight: InFlight | None = None  # async scheduling: the step whose tokens are still on the device
+        self.sampled_from: dict[str, int] = {}  # the last step's requests whose tokens were read at once (step())
         self.token_copies = HostCopies()
         self.async_scheduling = resolve_async_scheduling(config.scheduler.async_scheduling, self.drafter, self.device)
         self._ids = itertools.count()
@@ -205,6 +206,7 @@ class LLMEngine:
         """One scheduler plan, one forward pass. Returns the requests that finished: in this step, or with async
         scheduling in the step before (whose tokens are read once this one is launched)."""
         overlap = self.overlap_now()
+        self.sampled_from = {}  # request -> its output length before this step's token
         landed = self.land() if self.in_flight is not None and not overlap else []
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
@@ -228,6 +230,7 @@ class LLMEngine:
             return landed
         params = [self.requests[r].params for r in result.request_ids]
         tokens = self.sampler.sample(result.logits, result.request_ids, params) if result.request_ids else []
+        self.sampled_from = {rid: len(self.requests[rid].output_token_ids) for rid in result.request_ids}
         self.stats.step_time_s += time.perf_counter() - t0
         finished = landed + self.accept_tokens(result.request_ids, tokens, result.chunks, result.draft_ids)
         if self.drafter is not None and not self.drafter.on_device:

@@ -166,13 +166,13 @@ class OasisPolicy(TieredPolicy):
             self.tail_done = torch.cuda.Event(external=True)
             self.tail_done.record(self.tail_stream)  # created now: waiting on an event never recorded captures nothing
             self.tail_pool = None  # the tail graphs' memory: never the steps', which run beside them
-            self.tail_buffers = TailBuffers(rows, self.ws.max_blocks + 1, layers - self.first_deferred,
-                                            self.pool.kv.device)
+        self.tail_buffers = TailBuffers(rows, self.ws.max_blocks + 1, layers - self.first_deferred, self.pool.kv.device)
         names = {"selected": "selected_blocks"}  # kernels/residency.py's counters -> ours
         self.residency_counters = torch.tensor([self.counter_index[names.get(c, c)] for c in RESIDENCY_COUNTERS],
                                                device=self.pool.kv.device)
 
     def release(self, request_id: str) -> None:
+        self.wait_for_copies()  # a tail graph may still be predicting for this row
         if request_id in self.ws._row_of:
             row = self.ws.row(request_id)
             self.predicted[:, row] = False
@@ -194,6 +194,8 @@ class OasisPolicy(TieredPolicy):
         self.predicted_at.update((r, step) for r in rows)
         self.decode_steps += bool(rows)
         self.waiting = []
+        # what a capture leaves for capture_tail; cleared here too, in case the last capture failed before it ran
+        self.deferring, self.deferred, self.tail_inputs = False, [], None
         if self.clock:
             self.clock.collect()
 
