@@ -89,7 +89,9 @@ class OasisPolicy(TieredPolicy):
     # SMs: a few programs keep the link busy and leave the other SMs to the compute stream.
     PREFETCH_PROGRAMS = 16
     # in a captured step, the prediction of the groups that end in the last TAIL_LAYERS layers runs after the
-    # step (capture_tail), so the step's graph need not wait for their copies (0: none deferred)
+    # step (capture_tail), so the step's graph need not wait for their copies (0: none deferred). H200, qwen3-8b
+    # b16 x 16K, async scheduling: 6 and 12 layers gave the same step (9.43-9.49 and 9.53 ms; docs/BENCHMARKS.md,
+    # sixteenth session)
     TAIL_LAYERS = PREDICT_GROUP
 
     def __init__(self, *args, **kw):
