@@ -11,24 +11,19 @@ import time
 
 import torch
 
-from oasiskv.config import CacheConfig, EngineConfig, KVConfig, SamplingParams, SchedulerConfig
-from oasiskv.engine.engine import LLMEngine
+from oasiskv.config import SamplingParams
+from scripts.gpu_graph_check import engine_for, prompts_for
 
 SETTINGS = {"on": True, "off": False, "default": None}
 
 
 def run(args, mode: str, overlap: bool | None) -> None:
-    cfg = EngineConfig(model=args.model, load_format="dummy", show_progress=False,
-                       kv=KVConfig(mode=mode, host_kv_gb=args.host_gb if mode in ("retrieval", "oasis") else 0),
-                       cache=CacheConfig(gpu_memory_gb=args.gpu_gb),
-                       scheduler=SchedulerConfig(max_num_batched_tokens=16384, async_scheduling=overlap))
-    engine = LLMEngine(cfg)
-    gen = torch.Generator().manual_seed(0)
+    args = argparse.Namespace(**vars(args), async_scheduling=overlap)  # engine_for's default: None, the engine's
+    engine = engine_for(args, mode, False, "bfloat16", args.context, args.tokens, overlap)
     counts = engine.runner.graphs.counts if engine.runner.graphs else {}
     for round_ in range(args.rounds):
-        for _ in range(args.batch):
-            engine.add_request(torch.randint(0, 32000, (args.context,), generator=gen).tolist(),
-                               SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True))
+        for prompt in prompts_for(args.batch, args.context, stride=0):
+            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True))
         rows = []
         while engine.has_unfinished():
             before = dict(counts)
@@ -48,17 +43,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--modes", default="oasis")
-    p.add_argument("--async-scheduling", default="on,off", help="comma list of on, off, default")
+    p.add_argument("--async-scheduling", dest="settings", default="on,off", help="comma list of on, off, default")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--slow-ms", type=float, default=20.0)
+    p.add_argument("--budget", type=int, default=2048)
     p.add_argument("--gpu-gb", type=float, default=40)
     p.add_argument("--host-gb", type=float, default=8)
     args = p.parse_args()
     for mode in args.modes.split(","):
-        for setting in args.async_scheduling.split(","):
+        for setting in args.settings.split(","):
             run(args, mode, SETTINGS[setting])
 
 
