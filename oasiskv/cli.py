@@ -5,8 +5,8 @@ import argparse
 import json
 import sys
 
-from oasiskv.config import (DRAFTS, KV_MODES, KV_TRANSFERS, MISS_POLICIES, ROLES, SCHEDULE_POLICIES, CacheConfig,
-                            DisaggConfig, EngineConfig, KVConfig, SamplingParams, SchedulerConfig)
+from oasiskv.config import (BLOCK_SCORES, DRAFTS, KV_MODES, KV_TRANSFERS, MISS_POLICIES, ROLES, SCHEDULE_POLICIES,
+                            CacheConfig, DisaggConfig, EngineConfig, KVConfig, SamplingParams, SchedulerConfig)
 
 ENGINE_DEFAULTS, CACHE_DEFAULTS, SCHED_DEFAULTS, KV_DEFAULTS = EngineConfig(), CacheConfig(), SchedulerConfig(), KVConfig()
 DISAGG_DEFAULTS = DisaggConfig()
@@ -48,6 +48,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--sink-blocks", type=int, default=KV_DEFAULTS.sink_blocks)
     k.add_argument("--local-blocks", type=int, default=KV_DEFAULTS.local_blocks, help="counted inside the budget")
     k.add_argument("--dense-layers", type=int, default=KV_DEFAULTS.dense_layers, help="first N layers stay dense")
+    k.add_argument("--block-score", default=KV_DEFAULTS.block_score, choices=BLOCK_SCORES,
+                   help="how blocks are ranked: bound (Quest: upper bounds of q.k summed over heads) or mass (each "
+                        "head's bounds through a softmax over the blocks, an estimate of its attention, then combined)")
     k.add_argument("--working-set", type=int, default=KV_DEFAULTS.working_set,
                    help="retrieval/oasis: KV tokens per request per layer kept on the GPU (default: --kv-budget); "
                         "more keeps recently used blocks resident, so fewer selected blocks miss")
@@ -96,7 +99,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                             async_scheduling=args.async_scheduling)
     draft, draft_model = draft_args(args)
     kv = KVConfig(mode=args.kv_mode, budget=args.kv_budget, sink_blocks=args.sink_blocks,
-                  local_blocks=args.local_blocks, dense_layers=args.dense_layers, host_kv_gb=args.host_kv_gb,
+                  local_blocks=args.local_blocks, dense_layers=args.dense_layers, block_score=args.block_score,
+                  host_kv_gb=args.host_kv_gb,
                   working_set=args.working_set,
                   fetch_cap=args.fetch_cap, draft=draft, draft_model=draft_model, miss_policy=args.miss_policy)
     return EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,

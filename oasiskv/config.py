@@ -91,6 +91,9 @@ DRAFTS = ("ngram", "repeat", "eagle3", "ngram+eagle3", "target", "target+eagle3"
 # drafts that run an EAGLE-3 head (--draft-model, captured hidden states)
 HEAD_DRAFTS = ("eagle3", "ngram+eagle3", "target+eagle3")
 MISS_POLICIES = ("skip", "fetch")
+# how blocks are scored for selection: Quest's bound summed over heads, or each head's bounds through a softmax
+# over the blocks (an estimate of its attention mass) before the heads are combined (kernels/block_mass.py)
+BLOCK_SCORES = ("bound", "mass")
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,7 @@ class KVConfig:
     sink_blocks: int = 1
     local_blocks: int = 4
     dense_layers: int = 0  # the first N layers attend densely (quest mode)
+    block_score: str = "bound"  # bound | mass (BLOCK_SCORES)
     host_kv_gb: float | None = None  # host store size; default: what the machine can spare
     # retrieval, oasis: tokens per request per layer resident on the GPU (default: the budget). Room beyond
     # the budget keeps recently used blocks, so fewer selected blocks miss; attention still reads the budget
@@ -118,6 +122,8 @@ class KVConfig:
             raise ValueError(f"--kv-mode must be one of {', '.join(KV_MODES)}, got {self.mode!r}")
         if self.budget % block_size or self.budget < block_size:
             raise ValueError(f"--kv-budget must be a positive multiple of the block size {block_size}, got {self.budget}")
+        if self.block_score not in BLOCK_SCORES:
+            raise ValueError(f"--block-score must be one of {', '.join(BLOCK_SCORES)}, got {self.block_score!r}")
         if self.sink_blocks < 0 or self.local_blocks < 1:
             raise ValueError("--sink-blocks must be >= 0 and --local-blocks >= 1 (the tail block is local)")
         if (self.sink_blocks + self.local_blocks) * block_size > self.budget:

@@ -127,7 +127,9 @@ def measure(args, mode: str, stride: int) -> dict:
     gc.unfreeze()
     torch.cuda.CUDAGraph.replay = real_replay
     device_ms = [s.elapsed_time(e) for s, e in replays]
-    row = {"mode": mode, "async_scheduling": engine.async_scheduling, "draft": kv.get("draft"), "profiled": bool(profiler), "stride": stride, "prefetch_programs": OasisPolicy.PREFETCH_PROGRAMS,
+    row = {"mode": mode, "async_scheduling": engine.async_scheduling, "draft": kv.get("draft"),
+           "block_score": engine.config.kv.block_score, "profiled": bool(profiler), "stride": stride,
+           "prefetch_programs": OasisPolicy.PREFETCH_PROGRAMS,
            "tail_layers": OasisPolicy.TAIL_LAYERS, "batch": args.batch, "wall_ms_per_step": round(wall, 3),
            "replays": graphs.counts["cuda_graph_replays"] - before,
            "captures": graphs.counts["cuda_graph_captures"] - captures, "gc_freeze": args.gc_freeze,
@@ -160,6 +162,7 @@ def main() -> None:
                    help="plan each step while the last runs (default: the engine's, on for a GPU and device drafts)")
     p.add_argument("--gc-freeze", action="store_true", help="gc.freeze() before the timed steps")
     p.add_argument("--draft", default=None, help="oasis's --draft (default: the config's)")
+    p.add_argument("--block-score", default=None, help="--block-score (default: the config's)")
     p.add_argument("--profile", default=None, help="also cProfile the timed steps, appending the top to this file "
                    "(inflates the times)")
     p.add_argument("--json", default=None)

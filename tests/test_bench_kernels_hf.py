@@ -44,6 +44,8 @@ def test_bench_kernels_runs_the_references(tmp_path, capsys):
     for s in r["scoring"]:
         assert s["blocks"] == 32
         assert s["score_select_ms_per_step"] == pytest.approx(3 * s["score_select_us_per_layer"] / 1000, rel=1e-2)
+        assert s["mass_select_ms_per_step"] == pytest.approx(3 * s["mass_select_us_per_layer"] / 1000, rel=1e-2)
+        assert s["summary_mb"] == pytest.approx(s["batch"] * 32 * 2 * 2 * 16 * 4 / 1e6, rel=1e-3)  # fp32 min, max
     assert "sparse decode attention" in capsys.readouterr().out
 
 

@@ -24,6 +24,7 @@ from oasiskv.bench.kernel_tiered import _fill_random_ as fill_random_
 from oasiskv.bench.report import print_table, sig, write_json
 from oasiskv.config import BenchConfig
 from oasiskv.engine.engine import pick_device, pick_dtype
+from oasiskv.kernels.block_mass import block_mass_scores_multi, block_mass_scores_multi_reference
 from oasiskv.kernels.block_select import block_scores, block_scores_reference, select_blocks_padded
 from oasiskv.kernels.host_gather import gather_host_blocks, gather_host_blocks_reference
 from oasiskv.kernels.sparse_decode import sparse_decode_attention, sparse_decode_reference
@@ -137,14 +138,24 @@ def bench_scoring(batch: int, context: int, budget: int, shapes: dict, layers: i
     tables = torch.randperm(batch * nb, generator=g, device=device).view(batch, nb).int()
     nblocks = torch.full((batch,), nb, dtype=torch.int32, device=device)
     q = torch.randn((batch, shapes["q_heads"], shapes["head_dim"]), generator=g, device=device).to(dtype)
-    score = block_scores if device.type == "cuda" else block_scores_reference
+    cuda = device.type == "cuda"
+    score = block_scores if cuda else block_scores_reference
+    mass = block_mass_scores_multi if cuda else block_mass_scores_multi_reference
+    scale = shapes["head_dim"] ** -0.5
 
     def select():
         scores = score(q, summaries, tables, nblocks)
         return select_blocks_padded(scores, nblocks, budget // BLOCK, 1, 4)
-    ms = timed_ms(select, device)
-    return {"batch": batch, "context": context, "blocks": nb, "score_select_us_per_layer": sig(1000 * ms),
-            "score_select_ms_per_step": sig(ms * layers), "layers": layers}
+
+    def select_by_mass():
+        scores = mass(q[None], summaries, tables, nblocks[None], scale)[0]
+        return select_blocks_padded(scores, nblocks, budget // BLOCK, 1, 4)
+    ms, mass_ms = timed_ms(select, device), timed_ms(select_by_mass, device)
+    summary_bytes = batch * nb * summaries[0].numel() * summaries.element_size()
+    return {"batch": batch, "context": context, "blocks": nb, "summary_mb": sig(summary_bytes / 1e6),
+            "score_select_us_per_layer": sig(1000 * ms), "score_select_ms_per_step": sig(ms * layers),
+            "mass_select_us_per_layer": sig(1000 * mass_ms), "mass_select_ms_per_step": sig(mass_ms * layers),
+            "layers": layers}
 
 
 def run(args) -> dict:
@@ -176,5 +187,6 @@ def print_kernels(r: dict) -> None:
     print("\nsparse decode attention (GB/s of the selected K/V, against the memory copy):")
     print_table(r["sparse_attention"], ("batch", "selected_blocks", "eager_us", "eager_gbps", "eager_vs_copy",
                                         "graph_us", "graph_gbps", "graph_vs_copy", "rel_err", "correct"))
-    print("\nscoring + top-k selection:")
-    print_table(r["scoring"], ("batch", "blocks", "score_select_us_per_layer", "score_select_ms_per_step"))
+    print("\nscoring + top-k selection (bound: Quest's; mass: --block-score mass):")
+    print_table(r["scoring"], ("batch", "blocks", "summary_mb", "score_select_us_per_layer", "score_select_ms_per_step",
+                               "mass_select_us_per_layer", "mass_select_ms_per_step"))

@@ -1,7 +1,7 @@
 """`oasiskv eval`: every mode against its own dense anchor, on real long texts.
 
 Engine flags come from oasiskv.cli.add_engine_args; this module replaces the KV ones that become
-lists here (--kv-budget, --fetch-cap, --draft) and --kv-mode (use --modes)."""
+lists here (--kv-budget, --fetch-cap, --draft, --block-score) and --kv-mode (use --modes)."""
 from __future__ import annotations
 
 import argparse
@@ -42,6 +42,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fetch-cap", type=csv(float), default=None,
                    help="oasis fetch caps, a sweep: each cap is its own row (oasis@0.01, oasis@0.05, ...)")
     g.add_argument("--draft", type=csv(str), default=None, help="oasis draft sources, e.g. ngram,repeat")
+    g.add_argument("--block-score", type=csv(str), default=None,
+                   help="block scores of the selecting modes (quest, retrieval, oasis), a sweep: bound,mass; a "
+                        "row other than the default names its score (quest+mass)")
     g.add_argument("--tasks", type=csv(str), default=list(ALL_TASKS), help=f"subset of {','.join(ALL_TASKS)}")
     g.add_argument("--corpus", default="austen", choices=CORPORA, help="haystack and perplexity text")
     g.add_argument("--cache-dir", default=None, help="where fetched texts live (default ~/.cache/oasiskv/evals)")
@@ -71,7 +74,7 @@ def base_config(args: argparse.Namespace):
 
     defaults = KVConfig()
     scalar = dict(vars(args), kv_mode="dense", kv_budget=args.kv_budget[0])
-    for name in ("fetch_cap", "draft"):
+    for name in ("fetch_cap", "draft", "block_score"):
         values = getattr(args, name)
         scalar[name] = values[0] if values else getattr(defaults, name, None)
     return engine_config(argparse.Namespace(**scalar))
@@ -90,8 +93,8 @@ def main(args: argparse.Namespace) -> None:
     try:
         config = base_config(args)
         caps = args.fetch_cap or [config.kv.fetch_cap]  # oasis rows always name their cap (oasis@0.05)
-        variants, skipped = split_runnable(expand_variants(args.modes, args.kv_budget, caps, args.draft),
-                                           config.cache.block_size)
+        variants, skipped = split_runnable(expand_variants(args.modes, args.kv_budget, caps, args.draft,
+                                                           args.block_score), config.cache.block_size)
         documents = load_corpus(args.corpus, args.cache_dir)
         settings_used = {**{k: v for k, v in vars(args).items() if k != "func"},
                          "skipped": [v.label for v in skipped]}

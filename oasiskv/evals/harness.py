@@ -16,6 +16,7 @@ from oasiskv.evals.haystack import Haystack
 from oasiskv.evals.tasks import SYNTHETIC, Settings, build_task
 
 LOOKAHEAD_MODES = ("oasis",)  # modes that take a fetch cap and a draft source
+SCORING_MODES = ("quest", "retrieval", "oasis")  # modes that rank blocks by their summaries (--block-score)
 
 
 @dataclass(frozen=True)
@@ -24,11 +25,14 @@ class Variant:
     budget: int | None = None
     fetch_cap: float | None = None
     draft: str | None = None
+    block_score: str | None = None
 
     @property
     def series(self) -> str:
-        """The variant without its budget: a row of the table, a line of the plot (oasis@0.05)."""
-        text = self.mode + (f"@{self.fetch_cap:g}" if self.fetch_cap is not None else "")
+        """The variant without its budget: a row of the table, a line of the plot (oasis@0.05, quest+mass).
+        The default block score is not named."""
+        text = self.mode + (f"+{self.block_score}" if self.block_score not in (None, KVConfig.block_score) else "")
+        text += f"@{self.fetch_cap:g}" if self.fetch_cap is not None else ""
         return text + (f" {self.draft}" if self.draft else "")
 
     @property
@@ -40,17 +44,20 @@ DENSE = Variant("dense")
 
 
 def expand_variants(modes: list[str], budgets: list[int], caps: list[float] | None,
-                    drafts: list[str] | None) -> list[Variant]:
-    """Every non-dense mode at every budget; lookahead modes also at every cap and draft source."""
+                    drafts: list[str] | None, block_scores: list[str] | None = None) -> list[Variant]:
+    """Every non-dense mode at every budget; lookahead modes also at every cap and draft source, and the
+    modes that score blocks at every block score."""
     out = []
     for mode in dict.fromkeys(modes):
         if mode == "dense":
             continue
-        for budget in budgets:
-            if mode in LOOKAHEAD_MODES:
-                out += [Variant(mode, budget, c, d) for c in caps or [None] for d in drafts or [None]]
-            else:
-                out.append(Variant(mode, budget))
+        scores = (block_scores or [None]) if mode in SCORING_MODES else [None]
+        for score in scores:
+            for budget in budgets:
+                if mode in LOOKAHEAD_MODES:
+                    out += [Variant(mode, budget, c, d, score) for c in caps or [None] for d in drafts or [None]]
+                else:
+                    out.append(Variant(mode, budget, block_score=score))
     return out
 
 
@@ -64,7 +71,7 @@ def split_runnable(variants: list[Variant], block_size: int) -> tuple[list[Varia
 
 def variant_config(base: EngineConfig, v: Variant) -> EngineConfig:
     changes = {}
-    for name in ("budget", "fetch_cap", "draft"):
+    for name in ("budget", "fetch_cap", "draft", "block_score"):
         if getattr(v, name) is not None:
             changes[name] = getattr(v, name)
     missing = [n for n in changes if n not in {f.name for f in dataclasses.fields(KVConfig)}]

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from oasiskv.kernels.block_select import block_scores_multi, block_scores_multi_reference
 from oasiskv.kernels.block_topk import predict_prefetch, predict_prefetch_reference
 from oasiskv.kernels.draft_kv import DraftWrite, write_draft_kv, write_draft_kv_reference
 from oasiskv.kernels.residency import COUNTERS as RESIDENCY_COUNTERS
@@ -363,8 +362,7 @@ class OasisPolicy(TieredPolicy):
         meta = self.meta
         nd, real = meta.num_decode, len(q) - meta.num_draft
         both = q[:real + nd].unfold(0, nd, real).movedim(-1, 1)  # [2, B, Hq, D]: rows :nd and real:, no copy
-        score = block_scores_multi if self.cuda else block_scores_multi_reference
-        scores = self.combined(score(both, self.summaries.layer(layer), self.host_tables, self.rows_now.both_nblocks))
+        scores = self.combined(self.local_scores_multi(layer, both, self.host_tables, self.rows_now.both_nblocks))
         # host_tables is the decode block table plus one column, which x_t never counts: its first W
         # columns are exactly the scores select has for x_t
         return scores[0, :, :meta.decode_block_tables.shape[1]], scores[1]

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from oasiskv.config import KVConfig
-from oasiskv.kernels.block_select import block_scores, block_scores_reference, select_blocks_padded
+from oasiskv.kernels.block_mass import block_mass_scores_multi, block_mass_scores_multi_reference
+from oasiskv.kernels.block_select import (block_scores, block_scores_multi, block_scores_multi_reference,
+                                          block_scores_reference, select_blocks_padded)
 from oasiskv.kernels.block_topk import select_blocks_fused
 from oasiskv.kernels.paged_decode import paged_decode_attention, paged_decode_reference
 from oasiskv.kernels.sparse_decode import sparse_decode_attention_padded, sparse_decode_padded_reference
@@ -137,8 +139,21 @@ class SparsePolicy(KVPolicy):
         return self.combined(self.local_scores(layer, q, tables, nblocks))
 
     def local_scores(self, layer: int, q: torch.Tensor, tables: torch.Tensor, nblocks: torch.Tensor) -> torch.Tensor:
+        if self.cfg.block_score == "mass":
+            return self.local_scores_multi(layer, q[None], tables, nblocks[None])[0]
         score = block_scores if self.cuda else block_scores_reference
         return score(q, self.summaries.layer(layer), tables, nblocks)
+
+    def local_scores_multi(self, layer: int, q: torch.Tensor, tables: torch.Tensor,
+                           nblocks: torch.Tensor) -> torch.Tensor:
+        """Scores of NQ queries per sequence, q [NQ, B, Hq, D], nblocks [NQ, B] -> fp32 [NQ, B, blocks], this
+        rank's heads; the summaries are read once for all queries."""
+        summaries = self.summaries.layer(layer)
+        if self.cfg.block_score == "mass":
+            score = block_mass_scores_multi if self.cuda else block_mass_scores_multi_reference
+            return score(q, summaries, tables, nblocks, self.scale)
+        score = block_scores_multi if self.cuda else block_scores_multi_reference
+        return score(q, summaries, tables, nblocks)
 
     def combined(self, scores: torch.Tensor) -> torch.Tensor:
         """This rank's block scores -> the whole model's (tensor parallelism: one collective); else as is."""

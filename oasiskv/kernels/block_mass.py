@@ -1,0 +1,213 @@
+"""Block selection scores as estimated attention mass: each head's estimated logits through a softmax.
+
+Quest's score (kernels/block_select.py) adds raw logit bounds over KV heads. A head whose logits
+spread wide then outvotes one that puts its mass on a single block (a needle), although the
+attention a block receives is what matters; and the bound, the block's most optimistic logit, runs
+ahead of the keys' typical ones by the block's spread. Here each query head ``h`` estimates each
+block's logit from the block's centre and radius (``c = (min + max) / 2``, ``r = (max - min) / 2``
+of the summary of KV head ``g = h // group``) and turns the estimates into the share of its
+attention each block gets, over the sequence's valid blocks:
+
+    e_h(j)    = q[h] . c[g] + RADIUS_WEIGHT * |q[h]| . r[g]     (RADIUS_WEIGHT = 1 would be Quest's bound)
+    p_h(j)    = exp(scale * e_h(j)) / sum_i exp(scale * e_h(i))            (i over the valid blocks)
+    score(j)  = sum_g  max_{h in group g}  p_h(j)
+
+combined over heads as Quest's score is (the best query head of each KV-head group, summed over KV
+heads), so the selection rule and tensor parallelism's combination over ranks stay as they are.
+Scores are in [0, Hkv]; blocks ``j >= num_blocks[n, b]`` score ``-inf``.
+
+Two kernels: the first writes every head's estimates and, per tile of blocks, their max and sum of
+exponentials; the second folds the tiles into each head's normaliser and writes the scores.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from oasiskv.kernels.block_select import _check_multi_args, _check_values, _checks_values
+
+__all__ = ["RADIUS_WEIGHT", "block_mass_scores_multi", "block_mass_scores_multi_reference"]
+
+_BLOCK_N = 32  # logical blocks per program
+_TILE_CHUNK = 64  # tiles folded at once into a head's normaliser
+_LOG2E = 1.4426950408889634
+# Half the radius: on SmolLM2 decode steps the selection then keeps 51% of the attention mass that Quest's
+# bound loses against exact selection (docs/ACCURACY.md, "Block scores"); the full radius keeps less.
+RADIUS_WEIGHT = 0.5
+
+
+@triton.jit
+def _head_estimates_kernel(
+    q_ptr, summaries_ptr, block_tables_ptr, num_blocks_ptr, estimates_ptr, part_max_ptr, part_sum_ptr,
+    s_q_n, s_q_b, s_q_h, s_q_d,
+    s_sum_blk, s_sum_kind, s_sum_head, s_sum_d,
+    s_bt_b, s_bt_j, s_nb_n, s_nb_b,
+    s_bd_n, s_bd_b, s_bd_h, s_bd_j,
+    s_pt_n, s_pt_b, s_pt_h, s_pt_t,
+    max_blocks, D, scale_log2,
+    NQ: tl.constexpr, NQ_POW2: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr, RADIUS: tl.constexpr,
+):
+    # Grid (batch, block tile). Per KV head g and query, the group's query heads are the rows of one
+    # tile; each row's estimates over the tile's blocks are stored, with their max and sum of exponentials.
+    b = tl.program_id(0)
+    tile = tl.program_id(1)
+    j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < D
+    r = tl.arange(0, ROWS)
+    r_ok = r < GROUP
+    q_row = q_ptr + b.to(tl.int64) * s_q_b + r[:, None] * s_q_h + d[None, :] * s_q_d
+    q_mask = r_ok[:, None] & d_mask[None, :]
+    n = tl.arange(0, NQ_POW2)
+    counts = tl.load(num_blocks_ptr + n * s_nb_n + b * s_nb_b, mask=n < NQ, other=0)
+    read = (j < tl.max(counts, axis=0)) & (j < max_blocks)  # blocks any query scores: read once for all
+    phys = tl.load(block_tables_ptr + b * s_bt_b + j * s_bt_j, mask=read, other=0).to(tl.int64)
+    row = summaries_ptr + phys[:, None] * s_sum_blk + d[None, :] * s_sum_d
+    tile_mask = read[:, None] & d_mask[None, :]
+    for g in range(0, HKV):
+        k_min = tl.load(row + g * s_sum_head, mask=tile_mask, other=0.0).to(tl.float32)
+        k_max = tl.load(row + g * s_sum_head + s_sum_kind, mask=tile_mask, other=0.0).to(tl.float32)
+        centre, radius = (k_min + k_max) * 0.5, (k_max - k_min) * (0.5 * RADIUS)
+        if not DOT_FP32:
+            centre, radius = centre.to(q_ptr.dtype.element_ty), radius.to(q_ptr.dtype.element_ty)
+        for qi in tl.static_range(NQ):
+            valid = (j < tl.load(num_blocks_ptr + qi * s_nb_n + b * s_nb_b)) & (j < max_blocks)
+            qh = tl.load(q_row + qi * s_q_n + (g * GROUP) * s_q_h, mask=q_mask, other=0.0)
+            if DOT_FP32:
+                qh = qh.to(tl.float32)
+                s = tl.dot(qh, tl.trans(centre), input_precision="ieee")
+                s = tl.dot(tl.abs(qh), tl.trans(radius), s, input_precision="ieee")
+            else:
+                s = tl.dot(qh, tl.trans(centre))
+                s = tl.dot(tl.abs(qh), tl.trans(radius), s)
+            s = tl.where(valid[None, :], s, float("-inf"))  # [ROWS, BLOCK_N]
+            heads = g * GROUP + r
+            out = estimates_ptr + qi * s_bd_n + b * s_bd_b + heads[:, None] * s_bd_h + j[None, :] * s_bd_j
+            tl.store(out, s, mask=r_ok[:, None] & (j[None, :] < max_blocks))
+            m = tl.max(s, axis=1)  # [ROWS]; -inf where the tile holds no valid block
+            m_safe = tl.where(m > float("-inf"), m, 0.0)
+            total = tl.sum(tl.exp2((s - m_safe[:, None]) * scale_log2), axis=1)
+            part = qi * s_pt_n + b * s_pt_b + heads * s_pt_h + tile * s_pt_t
+            tl.store(part_max_ptr + part, m, mask=r_ok)
+            tl.store(part_sum_ptr + part, total, mask=r_ok)
+
+
+@triton.jit
+def _mass_kernel(
+    estimates_ptr, part_max_ptr, part_sum_ptr, num_blocks_ptr, scores_ptr,
+    s_bd_n, s_bd_b, s_bd_h, s_bd_j,
+    s_pt_n, s_pt_b, s_pt_h, s_pt_t,
+    s_nb_n, s_nb_b, s_out_n, s_out_b, s_out_j,
+    max_blocks, num_tiles, scale_log2,
+    NQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILE_CHUNK: tl.constexpr,
+):
+    # Grid (batch, block tile). Per query and head: the normaliser from every tile's (max, sum), then
+    # p = exp(scale * (e - max)) / sum for this tile's blocks, the group's best head, summed over groups.
+    b = tl.program_id(0)
+    tile = tl.program_id(1)
+    j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.arange(0, ROWS)
+    r_ok = r < GROUP
+    t = tl.arange(0, TILE_CHUNK)
+    for qi in tl.static_range(NQ):
+        count = tl.load(num_blocks_ptr + qi * s_nb_n + b * s_nb_b)
+        valid = (j < count) & (j < max_blocks)
+        total = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for g in range(0, HKV):
+            heads = g * GROUP + r
+            part = qi * s_pt_n + b * s_pt_b + heads[:, None] * s_pt_h
+            run_max = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+            run_sum = tl.zeros([ROWS], dtype=tl.float32)
+            for t0 in range(0, num_tiles, TILE_CHUNK):
+                t_ok = r_ok[:, None] & ((t0 + t)[None, :] < num_tiles)
+                m = tl.load(part_max_ptr + part + (t0 + t)[None, :] * s_pt_t, mask=t_ok, other=float("-inf"))
+                s = tl.load(part_sum_ptr + part + (t0 + t)[None, :] * s_pt_t, mask=t_ok, other=0.0)
+                new_max = tl.maximum(run_max, tl.max(m, axis=1))
+                base = tl.where(new_max > float("-inf"), new_max, 0.0)
+                run_sum = run_sum * tl.exp2((run_max - base) * scale_log2) + tl.sum(
+                    s * tl.exp2((m - base[:, None]) * scale_log2), axis=1)
+                run_max = new_max
+            base = tl.where(run_max > float("-inf"), run_max, 0.0)
+            est = tl.load(estimates_ptr + qi * s_bd_n + b * s_bd_b + heads[:, None] * s_bd_h + j[None, :] * s_bd_j,
+                         mask=r_ok[:, None] & valid[None, :], other=float("-inf"))
+            p = tl.exp2((est - base[:, None]) * scale_log2) / tl.where(run_sum > 0, run_sum, 1.0)[:, None]
+            total += tl.max(tl.where(r_ok[:, None], p, 0.0), axis=0)
+        out = scores_ptr + qi * s_out_n + b * s_out_b + j * s_out_j
+        tl.store(out, tl.where(valid, total, float("-inf")), mask=j < max_blocks)
+
+
+def block_mass_scores_multi_reference(q: torch.Tensor, summaries: torch.Tensor, block_tables: torch.Tensor,
+                                      num_blocks: torch.Tensor, scale: float) -> torch.Tensor:
+    """Torch twin of :func:`block_mass_scores_multi` (same arguments and result)."""
+    _check_multi_args(q, summaries, block_tables, num_blocks)
+    _check_values(summaries, block_tables, num_blocks, "num_blocks")
+    nq, bsz, hq, d = q.shape
+    hkv, max_blocks = summaries.shape[2], block_tables.shape[1]
+    s = summaries[block_tables.long().clamp(min=0)].float()  # [B, W, 2, Hkv, D]
+    centre, radius = (s[:, :, 0] + s[:, :, 1]) / 2, (s[:, :, 1] - s[:, :, 0]) / 2 * RADIUS_WEIGHT
+    if q.dtype == summaries.dtype != torch.float32:  # the kernel's tensor-core dots take them in that dtype
+        centre, radius = centre.to(q.dtype).float(), radius.to(q.dtype).float()
+    qf = q.float().view(nq, bsz, hkv, hq // hkv, d)
+    estimates = torch.einsum("bjgd,nbghd->nbghj", centre, qf) + torch.einsum(
+        "bjgd,nbghd->nbghj", radius, qf.abs())  # [NQ, B, Hkv, group, W]
+    valid = torch.arange(max_blocks, device=q.device)[None, None, :] < num_blocks.long()[:, :, None]  # [NQ, B, W]
+    logits = (estimates * scale).masked_fill(~valid[:, :, None, None, :], float("-inf"))
+    mass = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a sequence with no valid block: all zero
+    return mass.amax(dim=3).sum(dim=2).masked_fill(~valid, float("-inf"))
+
+
+def _triton_runs(device: torch.device) -> bool:
+    return device.type == "cuda" or type(_mass_kernel).__name__ == "InterpretedFunction"
+
+
+def block_mass_scores_multi(q: torch.Tensor, summaries: torch.Tensor, block_tables: torch.Tensor,
+                            num_blocks: torch.Tensor, scale: float, *,
+                            check_values: bool | None = None) -> torch.Tensor:
+    """Estimated attention mass of every logical block, for NQ queries per sequence (module docstring).
+
+    Args:
+        q: [NQ, B, Hq, D] decode queries, any strides (fp32/fp16/bf16; computed in fp32).
+        summaries: [num_blocks, 2, Hkv, D] one layer's summaries (0 = min, 1 = max).
+        block_tables: int32 [B, max_blocks], shared by the NQ queries of a sequence.
+        num_blocks: int32 [NQ, B], the logical blocks each query scores (<= max_blocks).
+        scale: the attention's softmax scale (1 / sqrt(D) unless the model says otherwise).
+        check_values: check value ranges (a device->host sync on CUDA); default: on CPU tensors only.
+
+    Returns:
+        fp32 [NQ, B, max_blocks]; ``-inf`` where ``j >= num_blocks[n, b]``.
+    """
+    if not _triton_runs(q.device):
+        return block_mass_scores_multi_reference(q, summaries, block_tables, num_blocks, scale)
+    _check_multi_args(q, summaries, block_tables, num_blocks)
+    if _checks_values(check_values, q.device):
+        _check_values(summaries, block_tables, num_blocks, "num_blocks")
+    return _launch(q, summaries, block_tables, num_blocks, scale)
+
+
+def _launch(q, summaries, block_tables, num_blocks, scale: float) -> torch.Tensor:
+    nq, bsz, hq, d = q.shape
+    hkv, max_blocks = summaries.shape[2], block_tables.shape[1]
+    scores = torch.empty((nq, bsz, max_blocks), dtype=torch.float32, device=q.device)
+    if bsz == 0 or max_blocks == 0:
+        return scores
+    tiles = triton.cdiv(max_blocks, _BLOCK_N)
+    estimates = torch.empty((nq, bsz, hq, max_blocks), dtype=torch.float32, device=q.device)
+    part_max = torch.empty((nq, bsz, hq, tiles), dtype=torch.float32, device=q.device)
+    part_sum = torch.empty_like(part_max)
+    group, rows = hq // hkv, max(16, triton.next_power_of_2(hq // hkv))  # a dot product's rows: at least 16
+    scale_log2 = float(scale) * _LOG2E
+    common = dict(NQ=nq, HKV=hkv, GROUP=group, ROWS=rows, BLOCK_N=_BLOCK_N)
+    _head_estimates_kernel[(bsz, tiles)](
+        q, summaries, block_tables, num_blocks, estimates, part_max, part_sum,
+        *q.stride(), *summaries.stride(), *block_tables.stride(), *num_blocks.stride(),
+        *estimates.stride(), *part_max.stride(), max_blocks, d, scale_log2,
+        NQ_POW2=triton.next_power_of_2(nq), BLOCK_D=max(16, triton.next_power_of_2(d)),
+        DOT_FP32=q.dtype == torch.float32 or q.dtype != summaries.dtype, RADIUS=RADIUS_WEIGHT, **common)
+    _mass_kernel[(bsz, tiles)](
+        estimates, part_max, part_sum, num_blocks, scores,
+        *estimates.stride(), *part_max.stride(), *num_blocks.stride(), *scores.stride(),
+        max_blocks, tiles, scale_log2, TILE_CHUNK=_TILE_CHUNK, **common)
+    return scores

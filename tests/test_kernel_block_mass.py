@@ -1,0 +1,110 @@
+import math
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import pytest
+import torch
+
+from oasiskv.kernels import block_mass
+from oasiskv.kernels.block_mass import RADIUS_WEIGHT, block_mass_scores_multi, block_mass_scores_multi_reference
+from oasiskv.kernels.block_select import block_scores_multi_reference
+
+from tests.kernel_device import DEV, INTERPRETED, ON_GPU  # noqa: E402
+from tests.test_kernel_block_select import SHAPES, _case  # several tiles, empty sequences, GQA groups
+
+
+def _brute_force_mass(q, summaries, tables, nb, scale):
+    """Straight from the definition, in float64: per head its estimates (centre plus the weighted radius, the
+    query's sign taken per channel), their softmax over the sequence's blocks, the best head of each KV
+    group, summed over groups."""
+    bsz, hq, d = q.shape
+    hkv = summaries.shape[2]
+    group = hq // hkv
+    out = torch.full(tables.shape, -math.inf, dtype=torch.float64)
+    for b in range(bsz):
+        n = int(nb[b])
+        if n == 0:
+            continue
+        mass = torch.zeros(hq, n, dtype=torch.float64)
+        for h in range(hq):
+            g, qh = h // group, q[b, h].double()
+            estimates = []
+            for j in range(n):
+                lo, hi = summaries[int(tables[b, j]), 0, g].double(), summaries[int(tables[b, j]), 1, g].double()
+                estimates.append(sum(float(qh[i]) * (lo[i] + hi[i]) / 2 + RADIUS_WEIGHT * abs(float(qh[i])) *
+                                     (hi[i] - lo[i]) / 2 for i in range(d)))
+            e = torch.tensor(estimates, dtype=torch.float64) * scale
+            mass[h] = torch.exp(e - e.max()) / torch.exp(e - e.max()).sum()
+        out[b, :n] = mass.view(hkv, group, n).amax(1).sum(0)
+    return out
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="checks that the interpreter runs the kernel on the CPU")
+def test_kernel_is_interpreted():
+    assert block_mass._triton_runs(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_reference_matches_brute_force(shape):
+    q, s, tables, nb = _case(*shape, dtype=torch.float32)
+    scale = 1 / math.sqrt(shape[3])
+    got = block_mass_scores_multi_reference(q[None], s, tables, nb[None], scale)[0]
+    torch.testing.assert_close(got.double(), _brute_force_mass(q, s, tables, nb, scale), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else []))
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("nq", [1, 2])
+def test_triton_matches_reference(dtype, shape, nq):
+    torch.manual_seed(1)
+    qs, s, tables, nb = zip(*[_case(*shape, dtype=dtype, seed=seed, device=DEV) for seed in range(nq)])
+    q, s, tables = torch.stack(qs), s[0], tables[0]  # one layer's summaries and table, NQ queries
+    counts = torch.stack([nb[0], (nb[0] - 1).clamp(min=0)])[:nq].contiguous()  # the second query scores fewer
+    scale = 1 / math.sqrt(shape[3])
+    got = block_mass_scores_multi(q, s, tables, counts, scale).cpu()
+    ref = block_mass_scores_multi_reference(q.cpu(), s.cpu(), tables.cpu(), counts.cpu(), scale)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
+
+
+def test_one_head_sums_to_one_and_points_have_the_dot_product():
+    """With one query head and one KV head the score is that head's softmax, summing to one; for blocks
+    that hold one key (min = max) the estimate is the exact logit, so the score is exact attention."""
+    q, s, tables, nb = _case(2, 1, 1, 32, 40, [40, 17], dtype=torch.float32)
+    s = s[:, :1].expand(-1, 2, -1, -1).contiguous()  # min = max: every block a single key
+    got = block_mass_scores_multi(q[None], s, tables, nb[None], 0.2)[0]
+    for b, n in enumerate(nb.tolist()):
+        keys = s[tables[b, :n].long(), 0, 0]  # [n, D]
+        torch.testing.assert_close(got[b, :n], torch.softmax(keys @ q[b, 0] * 0.2, 0), rtol=1e-5, atol=1e-6)
+        assert torch.isinf(got[b, n:]).all()
+
+
+def test_a_head_with_one_sharp_block_outweighs_wide_bounds():
+    """The reason for the softmax: a needle block that one KV head's query singles out wins against a block
+    whose raw logits are larger in another head that spreads its attention; Quest's sum of raw bounds
+    picks the other."""
+    d, blocks = 16, 8
+    q = torch.zeros(1, 2, d)
+    q[0, 0, 0], q[0, 1, 1] = 4.0, 1.0
+    lo = torch.zeros(blocks, 2, d)
+    hi = torch.zeros(blocks, 2, d)
+    hi[3, 0, 0] = 1.0  # KV head 0: bound 4 at block 3 (the needle), 0 elsewhere
+    hi[:, 1, 1] = 6.0  # KV head 1: bound 6 nearly everywhere (its attention spreads), 6.5 at block 7, 0 at 3
+    hi[7, 1, 1], hi[3, 1, 1] = 6.5, 0.0
+    summaries = torch.stack([lo, hi], dim=1)
+    tables = torch.arange(blocks, dtype=torch.int32)[None]
+    nb = torch.tensor([[blocks]], dtype=torch.int32)
+    quest = block_scores_multi_reference(q[None], summaries, tables, nb)[0, 0]
+    mass = block_mass_scores_multi(q[None], summaries, tables, nb, 1.0)[0, 0]
+    assert int(quest.argmax()) == 7 and int(mass.argmax()) == 3
+
+
+@pytest.mark.parametrize("fn", [block_mass_scores_multi, block_mass_scores_multi_reference])
+def test_bad_arguments_raise(fn):
+    q, s, tables, nb = _case(2, 8, 2, 32, 10, [10, 4], dtype=torch.float32)
+    with pytest.raises(ValueError, match="q must be"):
+        fn(q, s, tables, nb[None], 0.1)
+    with pytest.raises(ValueError, match="num_blocks must be"):
+        fn(q[None], s, tables, nb, 0.1)
+    with pytest.raises(ValueError, match="num_blocks must be in"):
+        fn(q[None], s, tables, (nb + 1)[None], 0.1)
