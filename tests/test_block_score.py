@@ -1,6 +1,12 @@
 """--block-score mass on the embedded SmolLM2: exact where it must be, and really another selection."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from oasiskv.api import LLM
@@ -10,6 +16,7 @@ from oasiskv.lookahead.teacher import TeacherDraft
 from tests.test_oasis import GREEDY, SPARSE, run
 from tests.test_sparse_modes import PROMPTS
 
+ROOT = Path(__file__).resolve().parents[1]
 LONG = PROMPTS[:2]  # 70 and 120 tokens: both outgrow the 4-block budget
 
 
@@ -64,3 +71,21 @@ def test_perfect_draft_with_full_cap_gives_quest_tokens_with_mass(quest_mass):
 def test_unknown_block_score_is_a_clear_error():
     with pytest.raises(ValueError, match="--block-score must be one of bound, mass"):
         KVConfig(mode="quest", block_score="max").validate(16, 30)
+
+
+def test_selection_recall_script_measures_every_rule(tmp_path):
+    """scripts/selection_recall.py (docs/ACCURACY.md, "Block scores"): a small run on the shipped sample text.
+    Each rule keeps a share of each head's attention in [0, 1]; the oracle, which ranks by the exact mass
+    the heads' best-of-group pays, keeps at least as much for the mean head as Quest's bound does."""
+    out = tmp_path / "recall.json"
+    proc = subprocess.run([sys.executable, "scripts/selection_recall.py", "--json", str(out), "--", "--corpus",
+                           "sample", "--context", "1024", "--kv-budget", "256", "--tasks", "ppl", "--windows", "1",
+                           "--scored", "4", "--batch", "1"], capture_output=True, text=True, timeout=600,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    kept = json.loads(out.read_text())["kept_mass"]
+    rules = ["bound", *(f"mass r={w:g}" for w in (1, 0.75, 0.5, 0.25, 0)), "oracle"]
+    assert kept["selections"] > 0
+    for rule in rules:
+        assert 0 < kept[rule + " worst head"] <= kept[rule + " mean"] <= 1, rule
+    assert kept["oracle mean"] >= kept["bound mean"]

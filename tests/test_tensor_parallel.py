@@ -19,6 +19,7 @@ from oasiskv.config import CacheConfig, EngineConfig, KVConfig, ModelConfig, Sam
 from oasiskv.distributed.scores import combine_gathered
 from oasiskv.distributed.shard import check_shardable, plan_shard
 from oasiskv.engine.engine import LLMEngine
+from oasiskv.kernels.block_mass import block_mass_scores_multi_reference
 from oasiskv.kernels.block_select import block_scores_reference
 
 VOCAB = 301  # not a multiple of 2: the last vocabulary shard is padded
@@ -163,9 +164,15 @@ def test_tp2_equals_one_process(tmp_path, mode):
     assert workers_exit(procs)
 
 
-def test_combine_gathered_equals_the_whole_model_score():
+def mass_scores(q, summaries, tables, nblocks):
+    return block_mass_scores_multi_reference(q[None], summaries, tables, nblocks[None], 0.25)[0]
+
+
+@pytest.mark.parametrize("score", [block_scores_reference, mass_scores])
+def test_combine_gathered_equals_the_whole_model_score(score):
     """Replicated KV heads: per-rank scores (max over the rank's query heads) combine into the score
-    of all heads: max over the ranks sharing a KV head, sum over KV heads."""
+    of all heads: max over the ranks sharing a KV head, sum over KV heads. Also for --block-score mass,
+    whose softmax runs per head, over one head's blocks."""
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(3, 8, 16, generator=gen)  # 8 query heads, 2 KV heads; TP4: 2 ranks per KV head
     mn = torch.randn(20, 2, 16, generator=gen)
@@ -177,9 +184,9 @@ def test_combine_gathered_equals_the_whole_model_score():
     for rank in range(4):
         s = plan_shard(cfg, rank, 4)
         assert s.kv_replicas == 2 and len(s.kv_heads) == 1
-        parts.append(block_scores_reference(q[:, s.q_heads.start:s.q_heads.stop], summaries[:, :, s.kv_heads.start:
-                                            s.kv_heads.stop], tables, nblocks))
-    whole = block_scores_reference(q, summaries, tables, nblocks)
+        parts.append(score(q[:, s.q_heads.start:s.q_heads.stop], summaries[:, :, s.kv_heads.start:s.kv_heads.stop],
+                           tables, nblocks))
+    whole = score(q, summaries, tables, nblocks)
     torch.testing.assert_close(combine_gathered(torch.stack(parts), 2), whole)
 
 

@@ -29,7 +29,10 @@ from oasiskv.kernels.block_select import _check_multi_args, _check_values, _chec
 
 __all__ = ["RADIUS_WEIGHT", "block_mass_scores_multi", "block_mass_scores_multi_reference"]
 
+# Tuning, H200, qwen3-8b heads, 1025 blocks, x_t and draft: 39 / 104 us per layer at b16 / b43, within 4% of
+# the best of 12 tunings at each (scripts/gpu_score_bench.py --mass; docs/BENCHMARKS.md, seventeenth session)
 _BLOCK_N = 32  # logical blocks per program
+_NUM_WARPS = 2
 _TILE_CHUNK = 64  # tiles folded at once into a head's normaliser
 _LOG2E = 1.4426950408889634
 # Half the radius: on SmolLM2 decode steps the selection then keeps 51% of the attention mass that Quest's
@@ -101,53 +104,56 @@ def _mass_kernel(
     s_pt_n, s_pt_b, s_pt_h, s_pt_t,
     s_nb_n, s_nb_b, s_out_n, s_out_b, s_out_j,
     max_blocks, num_tiles, scale_log2,
-    NQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
+    NQ: tl.constexpr, HQ: tl.constexpr, HQ_POW2: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, TILE_CHUNK: tl.constexpr,
 ):
-    # Grid (batch, block tile). Per query and head: the normaliser from every tile's (max, sum), then
-    # p = exp(scale * (e - max)) / sum for this tile's blocks, the group's best head, summed over groups.
+    # Grid (batch, block tile). Every query head at once (rows): its normaliser from every tile's (max,
+    # sum), then p = exp(scale * (e - max)) / sum for this tile's blocks; then, in registers, each group's
+    # best head, summed over groups.
     b = tl.program_id(0)
     tile = tl.program_id(1)
     j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    r = tl.arange(0, ROWS)
-    r_ok = r < GROUP
+    h = tl.arange(0, HQ_POW2)
+    h_ok = h < HQ
     t = tl.arange(0, TILE_CHUNK)
     for qi in tl.static_range(NQ):
         count = tl.load(num_blocks_ptr + qi * s_nb_n + b * s_nb_b)
         valid = (j < count) & (j < max_blocks)
+        part = qi * s_pt_n + b * s_pt_b + h[:, None] * s_pt_h
+        run_max = tl.full([HQ_POW2], float("-inf"), dtype=tl.float32)
+        run_sum = tl.zeros([HQ_POW2], dtype=tl.float32)
+        for t0 in range(0, num_tiles, TILE_CHUNK):
+            t_ok = h_ok[:, None] & ((t0 + t)[None, :] < num_tiles)
+            m = tl.load(part_max_ptr + part + (t0 + t)[None, :] * s_pt_t, mask=t_ok, other=float("-inf"))
+            s = tl.load(part_sum_ptr + part + (t0 + t)[None, :] * s_pt_t, mask=t_ok, other=0.0)
+            new_max = tl.maximum(run_max, tl.max(m, axis=1))
+            base = tl.where(new_max > float("-inf"), new_max, 0.0)
+            run_sum = run_sum * tl.exp2((run_max - base) * scale_log2) + tl.sum(
+                s * tl.exp2((m - base[:, None]) * scale_log2), axis=1)
+            run_max = new_max
+        base = tl.where(run_max > float("-inf"), run_max, 0.0)
+        est = tl.load(estimates_ptr + qi * s_bd_n + b * s_bd_b + h[:, None] * s_bd_h + j[None, :] * s_bd_j,
+                      mask=h_ok[:, None] & valid[None, :], other=float("-inf"))
+        p = tl.exp2((est - base[:, None]) * scale_log2) / tl.where(run_sum > 0, run_sum, 1.0)[:, None]
         total = tl.zeros([BLOCK_N], dtype=tl.float32)
         for g in range(0, HKV):
-            heads = g * GROUP + r
-            part = qi * s_pt_n + b * s_pt_b + heads[:, None] * s_pt_h
-            run_max = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-            run_sum = tl.zeros([ROWS], dtype=tl.float32)
-            for t0 in range(0, num_tiles, TILE_CHUNK):
-                t_ok = r_ok[:, None] & ((t0 + t)[None, :] < num_tiles)
-                m = tl.load(part_max_ptr + part + (t0 + t)[None, :] * s_pt_t, mask=t_ok, other=float("-inf"))
-                s = tl.load(part_sum_ptr + part + (t0 + t)[None, :] * s_pt_t, mask=t_ok, other=0.0)
-                new_max = tl.maximum(run_max, tl.max(m, axis=1))
-                base = tl.where(new_max > float("-inf"), new_max, 0.0)
-                run_sum = run_sum * tl.exp2((run_max - base) * scale_log2) + tl.sum(
-                    s * tl.exp2((m - base[:, None]) * scale_log2), axis=1)
-                run_max = new_max
-            base = tl.where(run_max > float("-inf"), run_max, 0.0)
-            est = tl.load(estimates_ptr + qi * s_bd_n + b * s_bd_b + heads[:, None] * s_bd_h + j[None, :] * s_bd_j,
-                         mask=r_ok[:, None] & valid[None, :], other=float("-inf"))
-            p = tl.exp2((est - base[:, None]) * scale_log2) / tl.where(run_sum > 0, run_sum, 1.0)[:, None]
-            total += tl.max(tl.where(r_ok[:, None], p, 0.0), axis=0)
+            in_group = (h >= g * GROUP) & (h < (g + 1) * GROUP)
+            total += tl.max(tl.where(in_group[:, None], p, 0.0), axis=0)
         out = scores_ptr + qi * s_out_n + b * s_out_b + j * s_out_j
         tl.store(out, tl.where(valid, total, float("-inf")), mask=j < max_blocks)
 
 
 def block_mass_scores_multi_reference(q: torch.Tensor, summaries: torch.Tensor, block_tables: torch.Tensor,
-                                      num_blocks: torch.Tensor, scale: float) -> torch.Tensor:
-    """Torch twin of :func:`block_mass_scores_multi` (same arguments and result)."""
+                                      num_blocks: torch.Tensor, scale: float,
+                                      radius_weight: float = RADIUS_WEIGHT) -> torch.Tensor:
+    """Torch twin of :func:`block_mass_scores_multi` (same arguments and result). `radius_weight`: the
+    estimates' weight of the block radius (scripts/selection_recall.py compares others)."""
     _check_multi_args(q, summaries, block_tables, num_blocks)
     _check_values(summaries, block_tables, num_blocks, "num_blocks")
     nq, bsz, hq, d = q.shape
     hkv, max_blocks = summaries.shape[2], block_tables.shape[1]
     s = summaries[block_tables.long().clamp(min=0)].float()  # [B, W, 2, Hkv, D]
-    centre, radius = (s[:, :, 0] + s[:, :, 1]) / 2, (s[:, :, 1] - s[:, :, 0]) / 2 * RADIUS_WEIGHT
+    centre, radius = (s[:, :, 0] + s[:, :, 1]) / 2, (s[:, :, 1] - s[:, :, 0]) / 2 * radius_weight
     if q.dtype == summaries.dtype != torch.float32:  # the kernel's tensor-core dots take them in that dtype
         centre, radius = centre.to(q.dtype).float(), radius.to(q.dtype).float()
     qf = q.float().view(nq, bsz, hkv, hq // hkv, d)
@@ -187,27 +193,29 @@ def block_mass_scores_multi(q: torch.Tensor, summaries: torch.Tensor, block_tabl
     return _launch(q, summaries, block_tables, num_blocks, scale)
 
 
-def _launch(q, summaries, block_tables, num_blocks, scale: float) -> torch.Tensor:
+def _launch(q, summaries, block_tables, num_blocks, scale: float, block_n: int = _BLOCK_N,
+            num_warps: int = _NUM_WARPS) -> torch.Tensor:
+    """`block_n`, `num_warps`: tuning (scripts/gpu_score_bench.py --mass times them)."""
     nq, bsz, hq, d = q.shape
     hkv, max_blocks = summaries.shape[2], block_tables.shape[1]
     scores = torch.empty((nq, bsz, max_blocks), dtype=torch.float32, device=q.device)
     if bsz == 0 or max_blocks == 0:
         return scores
-    tiles = triton.cdiv(max_blocks, _BLOCK_N)
+    tiles = triton.cdiv(max_blocks, block_n)
     estimates = torch.empty((nq, bsz, hq, max_blocks), dtype=torch.float32, device=q.device)
     part_max = torch.empty((nq, bsz, hq, tiles), dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
     group, rows = hq // hkv, max(16, triton.next_power_of_2(hq // hkv))  # a dot product's rows: at least 16
     scale_log2 = float(scale) * _LOG2E
-    common = dict(NQ=nq, HKV=hkv, GROUP=group, ROWS=rows, BLOCK_N=_BLOCK_N)
+    common = dict(NQ=nq, HKV=hkv, GROUP=group, BLOCK_N=block_n, num_warps=num_warps)
     _head_estimates_kernel[(bsz, tiles)](
         q, summaries, block_tables, num_blocks, estimates, part_max, part_sum,
         *q.stride(), *summaries.stride(), *block_tables.stride(), *num_blocks.stride(),
         *estimates.stride(), *part_max.stride(), max_blocks, d, scale_log2,
         NQ_POW2=triton.next_power_of_2(nq), BLOCK_D=max(16, triton.next_power_of_2(d)),
-        DOT_FP32=q.dtype == torch.float32 or q.dtype != summaries.dtype, RADIUS=RADIUS_WEIGHT, **common)
+        DOT_FP32=q.dtype == torch.float32 or q.dtype != summaries.dtype, RADIUS=RADIUS_WEIGHT, ROWS=rows, **common)
     _mass_kernel[(bsz, tiles)](
         estimates, part_max, part_sum, num_blocks, scores,
         *estimates.stride(), *part_max.stride(), *num_blocks.stride(), *scores.stride(),
-        max_blocks, tiles, scale_log2, TILE_CHUNK=_TILE_CHUNK, **common)
+        max_blocks, tiles, scale_log2, HQ=hq, HQ_POW2=triton.next_power_of_2(hq), TILE_CHUNK=_TILE_CHUNK, **common)
     return scores

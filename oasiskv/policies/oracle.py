@@ -13,14 +13,13 @@ import torch
 from oasiskv.policies.sparse import QuestPolicy
 
 
-def attention_mass_scores(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
-                          seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Exact attention mass of each logical block for one decode query per sequence.
+def attention_mass_per_head(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
+                            seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Exact attention mass each query head pays each logical block, one decode query per sequence.
 
     q [B, Hq, D]; kv_layer [blocks, 2, block_size, Hkv, D]; block_tables int [B, max_blocks];
-    seq_lens int [B] (the new token included). Returns fp32 [B, max_blocks]:
-    ``sum_g max_{h in group g} sum_{t in block} softmax_t(scale * q_h . k_t)``, ``-inf`` for blocks
-    at or past the sequence's end."""
+    seq_lens int [B] (the new token included). Returns fp32 [B, Hkv, group, max_blocks]: per head, the
+    softmax over all keys of ``scale * q_h . k_t``, summed inside each block (0 past the end)."""
     bsz, hq, d = q.shape
     _, _, block_size, hkv, _ = kv_layer.shape
     max_blocks = block_tables.shape[1]
@@ -32,8 +31,18 @@ def attention_mass_scores(q: torch.Tensor, kv_layer: torch.Tensor, block_tables:
     positions = torch.arange(max_blocks * block_size, device=q.device)
     past_end = positions[None, :] >= seq_lens.to(q.device).long()[:, None]  # [B, T]
     logits = logits.masked_fill(past_end[:, None, None, :], float("-inf"))
-    mass = torch.softmax(logits, dim=-1).view(bsz, hkv, hq // hkv, max_blocks, block_size).sum(-1)
+    return torch.softmax(logits, dim=-1).view(bsz, hkv, hq // hkv, max_blocks, block_size).sum(-1)
+
+
+def attention_mass_scores(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
+                          seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Exact attention mass of each logical block for one decode query per sequence (arguments as
+    :func:`attention_mass_per_head`). Returns fp32 [B, max_blocks]:
+    ``sum_g max_{h in group g} sum_{t in block} softmax_t(scale * q_h . k_t)``, ``-inf`` for blocks
+    at or past the sequence's end."""
+    mass = attention_mass_per_head(q, kv_layer, block_tables, seq_lens, scale)
     scores = mass.amax(dim=2).sum(dim=1)  # [B, max_blocks]
+    block_size, max_blocks = kv_layer.shape[2], block_tables.shape[1]
     num_blocks = (seq_lens.to(q.device).long() + block_size - 1) // block_size
     return scores.masked_fill(torch.arange(max_blocks, device=q.device)[None, :] >= num_blocks[:, None],
                               float("-inf"))
