@@ -7,7 +7,10 @@ records the exact attention mass that each query head pays the selected blocks. 
 steps, and the mean of each step's worst head.
 
 Rules: `bound` (Quest's score), `mass r=W` (--block-score mass with radius weight W; the engine's is
-kernels/block_mass.RADIUS_WEIGHT), and `oracle` (exact attention mass: the upper bound of the rule family).
+kernels/block_mass.RADIUS_WEIGHT), `mean key r=0.5` (the same with each block's true mean key in place of its
+centre: a third summary the engine does not keep), and `oracle` (exact attention mass: the upper bound of the rule
+family). `oracle per KV head` lets each KV head choose its own blocks by its heads' exact mass: the bound of a
+selection per KV head instead of one per request and layer, which the engine does not have.
 
     PYTHONPATH=. python scripts/selection_recall.py --json out.json -- --corpus austen --context 8192 \\
         --kv-budget 2048 --tasks ppl --windows 2 --scored 8 --batch 2
@@ -38,8 +41,34 @@ def rule_scores(policy: QuestPolicy, layer: int, q: torch.Tensor, tables: torch.
     for weight in RADIUS_WEIGHTS:
         out[f"mass r={weight:g}"] = block_mass_scores_multi_reference(q[None], summaries, tables, nblocks[None],
                                                                       policy.scale, weight)[0]
+    out["mean key r=0.5"] = mean_key_scores(policy, layer, q, tables, valid, 0.5)
     out["oracle"] = mass.amax(dim=2).sum(dim=1).masked_fill(~valid, float("-inf"))
     return out
+
+
+def mean_key_scores(policy: QuestPolicy, layer: int, q: torch.Tensor, tables: torch.Tensor, valid: torch.Tensor,
+                    weight: float) -> torch.Tensor:
+    """--block-score mass's rule with each block's mean key (over its filled slots) as the centre."""
+    kv = policy.pool.layer(layer)  # [blocks, 2, block_size, Hkv, D]
+    bsz, hq, d = q.shape
+    _, _, block_size, hkv, _ = kv.shape
+    keys = kv[tables.long().clamp(min=0), 0].float()  # [B, W, block_size, Hkv, D]
+    slot = torch.arange(tables.shape[1] * block_size, device=q.device).view(1, -1, block_size)
+    filled = slot < policy.meta.decode_seq_lens.long()[:, None, None]
+    mean = (keys * filled[..., None, None]).sum(2) / filled.sum(2).clamp(min=1)[..., None, None]
+    summaries = policy.summaries.layer(layer)[tables.long().clamp(min=0)].float()
+    radius = (summaries[:, :, 1] - summaries[:, :, 0]) / 2
+    qf = q.float().view(bsz, hkv, hq // hkv, d)
+    est = torch.einsum("bjgd,bghd->bghj", mean, qf) + weight * torch.einsum("bjgd,bghd->bghj", radius, qf.abs())
+    est = (est * policy.scale).masked_fill(~valid[:, None, None, :], float("-inf"))
+    return torch.softmax(est, -1).nan_to_num(0.0).amax(2).sum(1).masked_fill(~valid, float("-inf"))
+
+
+def kept_mass_per_kv_head(policy: QuestPolicy, mass: torch.Tensor, nblocks: torch.Tensor) -> torch.Tensor:
+    """[B, Hkv, group]: each KV head selects by its own heads' exact mass (best head of the group)."""
+    valid = torch.arange(mass.shape[-1], device=mass.device)[None, :] < nblocks.long()[:, None]
+    return torch.stack([kept_mass(policy, mass[:, g].amax(1).masked_fill(~valid, float("-inf")), nblocks,
+                                  mass)[:, g] for g in range(mass.shape[1])], dim=1)
 
 
 def kept_mass(policy: QuestPolicy, scores: torch.Tensor, nblocks: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
@@ -58,10 +87,13 @@ def measure_into(totals: dict[str, list[float]]):
     def measuring_select(policy: QuestPolicy, layer: int, q: torch.Tensor, tables: torch.Tensor):
         nblocks = policy.rows_now.nblocks
         mass = attention_mass_per_head(q, policy.pool.layer(layer), tables, policy.meta.decode_seq_lens, policy.scale)
-        for rule, scores in rule_scores(policy, layer, q, tables, nblocks, mass).items():
-            kept = kept_mass(policy, scores, nblocks, mass).flatten(1)  # [B, heads]
-            totals[rule + " mean"].append(kept.mean().item())
-            totals[rule + " worst head"].append(kept.amin(1).mean().item())
+        kept = {rule: kept_mass(policy, scores, nblocks, mass)
+                for rule, scores in rule_scores(policy, layer, q, tables, nblocks, mass).items()}
+        kept["oracle per KV head"] = kept_mass_per_kv_head(policy, mass, nblocks)
+        for rule, heads in kept.items():
+            heads = heads.flatten(1)  # [B, query heads]
+            totals[rule + " mean"].append(heads.mean().item())
+            totals[rule + " worst head"].append(heads.amin(1).mean().item())
         return select(policy, layer, q, tables)
     return measuring_select
 
@@ -79,7 +111,7 @@ def main() -> None:
     result["selections"] = len(totals["bound mean"])
     print(f"\nattention mass kept per head, {result['selections']} selections (decode steps x sparse layers):")
     for rule in dict.fromkeys(k.removesuffix(" worst head").removesuffix(" mean") for k in totals):
-        print(f"  {rule:14s} mean {result[rule + ' mean']:.4f}   worst head {result[rule + ' worst head']:.4f}")
+        print(f"  {rule:20s} mean {result[rule + ' mean']:.4f}   worst head {result[rule + ' worst head']:.4f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"eval_args": flags, "kept_mass": result}, f, indent=1)

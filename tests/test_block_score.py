@@ -76,7 +76,8 @@ def test_unknown_block_score_is_a_clear_error():
 def test_selection_recall_script_measures_every_rule(tmp_path):
     """scripts/selection_recall.py (docs/ACCURACY.md, "Block scores"): a small run on the shipped sample text.
     Each rule keeps a share of each head's attention in [0, 1]; the oracle, which ranks by the exact mass
-    the heads' best-of-group pays, keeps at least as much for the mean head as Quest's bound does."""
+    the heads' best-of-group pays, keeps at least as much for the mean head as Quest's bound does, and a
+    selection per KV head by the same mass at least as much as one per request."""
     out = tmp_path / "recall.json"
     proc = subprocess.run([sys.executable, "scripts/selection_recall.py", "--json", str(out), "--", "--corpus",
                            "sample", "--context", "1024", "--kv-budget", "256", "--tasks", "ppl", "--windows", "1",
@@ -84,8 +85,10 @@ def test_selection_recall_script_measures_every_rule(tmp_path):
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     kept = json.loads(out.read_text())["kept_mass"]
-    rules = ["bound", *(f"mass r={w:g}" for w in (1, 0.75, 0.5, 0.25, 0)), "oracle"]
+    rules = ["bound", *(f"mass r={w:g}" for w in (1, 0.75, 0.5, 0.25, 0)), "mean key r=0.5", "oracle",
+             "oracle per KV head"]
     assert kept["selections"] > 0
     for rule in rules:
         assert 0 < kept[rule + " worst head"] <= kept[rule + " mean"] <= 1, rule
     assert kept["oracle mean"] >= kept["bound mean"]
+    assert kept["oracle per KV head mean"] >= kept["oracle mean"]
