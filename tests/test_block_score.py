@@ -74,10 +74,9 @@ def test_unknown_block_score_is_a_clear_error():
 
 
 def test_selection_recall_script_measures_every_rule(tmp_path):
-    """scripts/selection_recall.py (docs/ACCURACY.md, "Block scores"): a small run on the shipped sample text.
-    Each rule keeps a share of each head's attention in [0, 1]; the oracle, which ranks by the exact mass
-    the heads' best-of-group pays, keeps at least as much for the mean head as Quest's bound does, and a
-    selection per KV head by the same mass at least as much as one per request."""
+    """scripts/selection_recall.py (docs/ACCURACY.md, "Block scores"): a small run on the shipped sample text
+    reports, for every rule, a share of each head's attention in [0, 1], the worst head's no larger than the
+    mean head's."""
     out = tmp_path / "recall.json"
     proc = subprocess.run([sys.executable, "scripts/selection_recall.py", "--json", str(out), "--", "--corpus",
                            "sample", "--context", "1024", "--kv-budget", "256", "--tasks", "ppl", "--windows", "1",
@@ -90,5 +89,3 @@ def test_selection_recall_script_measures_every_rule(tmp_path):
     assert kept["selections"] > 0
     for rule in rules:
         assert 0 < kept[rule + " worst head"] <= kept[rule + " mean"] <= 1, rule
-    assert kept["oracle mean"] >= kept["bound mean"]
-    assert kept["oracle per KV head mean"] >= kept["oracle mean"]

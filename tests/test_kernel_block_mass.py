@@ -11,13 +11,16 @@ from oasiskv.kernels.block_mass import RADIUS_WEIGHT, block_mass_scores_multi, b
 from oasiskv.kernels.block_select import block_scores_multi_reference
 
 from tests.kernel_device import DEV, INTERPRETED, ON_GPU  # noqa: E402
-from tests.test_kernel_block_select import SHAPES, _case  # several tiles, empty sequences, GQA groups
+from tests.test_kernel_block_select import SHAPES as SELECT_SHAPES, _case
+
+# several tiles, empty sequences, GQA groups; and more tiles than one fold of the normaliser reads (> 64)
+SHAPES = [*SELECT_SHAPES, (1, 4, 2, 16, 2100, [2100])]
 
 
 def _brute_force_mass(q, summaries, tables, nb, scale):
     """Straight from the definition, in float64: per head its estimates (centre plus the weighted radius, the
-    query's sign taken per channel), their softmax over the sequence's blocks, the best head of each KV
-    group, summed over groups."""
+    query's sign taken per channel), their exponentials over the sum of those of every block but the tail (0
+    for a one-block sequence), the best head of each KV group, summed over groups."""
     bsz, hq, d = q.shape
     hkv = summaries.shape[2]
     group = hq // hkv
@@ -35,7 +38,8 @@ def _brute_force_mass(q, summaries, tables, nb, scale):
                 estimates.append(sum(float(qh[i]) * (lo[i] + hi[i]) / 2 + RADIUS_WEIGHT * abs(float(qh[i])) *
                                      (hi[i] - lo[i]) / 2 for i in range(d)))
             e = torch.tensor(estimates, dtype=torch.float64) * scale
-            mass[h] = torch.exp(e - e.max()) / torch.exp(e - e.max()).sum()
+            if n > 1:  # normalised over every block but the tail
+                mass[h] = torch.exp(e - e[:-1].max()) / torch.exp(e[:-1] - e[:-1].max()).sum()
         out[b, :n] = mass.view(hkv, group, n).amax(1).sum(0)
     return out
 
@@ -60,7 +64,7 @@ def test_triton_matches_reference(dtype, shape, nq):
     torch.manual_seed(1)
     qs, s, tables, nb = zip(*[_case(*shape, dtype=dtype, seed=seed, device=DEV) for seed in range(nq)])
     q, s, tables = torch.stack(qs), s[0], tables[0]  # one layer's summaries and table, NQ queries
-    counts = torch.stack([nb[0], (nb[0] - 1).clamp(min=0)])[:nq].contiguous()  # the second query scores fewer
+    counts = torch.stack([(nb[0] - 1).clamp(min=0), nb[0]])[:nq].contiguous()  # a draft scores one block more
     scale = 1 / math.sqrt(shape[3])
     got = block_mass_scores_multi(q, s, tables, counts, scale).cpu()
     ref = block_mass_scores_multi_reference(q.cpu(), s.cpu(), tables.cpu(), counts.cpu(), scale)
@@ -68,15 +72,28 @@ def test_triton_matches_reference(dtype, shape, nq):
 
 
 def test_one_head_sums_to_one_and_points_have_the_dot_product():
-    """With one query head and one KV head the score is that head's softmax, summing to one; for blocks
-    that hold one key (min = max) the estimate is the exact logit, so the score is exact attention."""
+    """With one query head and one KV head the score is that head's softmax over the blocks before the tail,
+    summing to one there; for blocks that hold one key (min = max) the estimate is the exact logit, so the
+    score is exact attention over those blocks."""
     q, s, tables, nb = _case(2, 1, 1, 32, 40, [40, 17], dtype=torch.float32)
     s = s[:, :1].expand(-1, 2, -1, -1).contiguous()  # min = max: every block a single key
     got = block_mass_scores_multi(q[None], s, tables, nb[None], 0.2)[0]
     for b, n in enumerate(nb.tolist()):
-        keys = s[tables[b, :n].long(), 0, 0]  # [n, D]
-        torch.testing.assert_close(got[b, :n], torch.softmax(keys @ q[b, 0] * 0.2, 0), rtol=1e-5, atol=1e-6)
+        logits = s[tables[b, :n].long(), 0, 0] @ q[b, 0] * 0.2  # [n]
+        torch.testing.assert_close(got[b, :n - 1], torch.softmax(logits[:-1], 0), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[b, n - 1], (logits[-1] - logits[:-1].logsumexp(0)).exp(), rtol=1e-5, atol=1e-6)
         assert torch.isinf(got[b, n:]).all()
+
+
+def test_the_tail_block_does_not_move_the_others():
+    """The draft's block that has no summary yet (oasis): whatever its table entry reads, the other blocks'
+    scores stay; a one-block sequence scores 0."""
+    q, s, tables, nb = _case(2, 8, 2, 32, 40, [40, 1], dtype=torch.float32)
+    before = block_mass_scores_multi(q[None], s, tables, nb[None], 0.2)[0]
+    s[tables[0, 39].long()] = torch.randn_like(s[0]).sort(dim=0).values * 50  # the tail's summary: anything
+    after = block_mass_scores_multi(q[None], s, tables, nb[None], 0.2)[0]
+    torch.testing.assert_close(after[0, :39], before[0, :39], rtol=0, atol=0)
+    assert before[1, 0] == 0 and torch.isinf(before[1, 1:]).all()
 
 
 def test_a_head_with_one_sharp_block_outweighs_wide_bounds():

@@ -169,25 +169,28 @@ def mass_scores(q, summaries, tables, nblocks):
 
 
 @pytest.mark.parametrize("score", [block_scores_reference, mass_scores])
-def test_combine_gathered_equals_the_whole_model_score(score):
-    """Replicated KV heads: per-rank scores (max over the rank's query heads) combine into the score
-    of all heads: max over the ranks sharing a KV head, sum over KV heads. Also for --block-score mass,
-    whose softmax runs per head, over one head's blocks."""
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_scores_combine_into_the_whole_model_score(score, world):
+    """Per-rank scores (max over the rank's query heads) combine into the score of all heads. TP2 splits the
+    2 KV heads (sum over ranks, the all-reduce); TP4 replicates each on 2 ranks (max over the ranks sharing
+    a KV head, then the sum: combine_gathered). Also for --block-score mass, whose softmax runs per head over
+    that head's blocks, which every rank holding the head has."""
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(3, 8, 16, generator=gen)  # 8 query heads, 2 KV heads; TP4: 2 ranks per KV head
+    q = torch.randn(3, 8, 16, generator=gen)  # 8 query heads, 2 KV heads
     mn = torch.randn(20, 2, 16, generator=gen)
     summaries = torch.stack([mn, mn + torch.rand(20, 2, 16, generator=gen)], dim=1)
     tables = torch.randperm(20, generator=gen)[:12].to(torch.int32).repeat(3, 1)
     nblocks = torch.tensor([12, 7, 1], dtype=torch.int32)
     cfg = ModelConfig.from_hf({**QWEN3, "num_attention_heads": 8, "num_key_value_heads": 2})
     parts = []
-    for rank in range(4):
-        s = plan_shard(cfg, rank, 4)
-        assert s.kv_replicas == 2 and len(s.kv_heads) == 1
+    for rank in range(world):
+        s = plan_shard(cfg, rank, world)
+        assert s.kv_replicas == world // 2 and len(s.kv_heads) == 1
         parts.append(score(q[:, s.q_heads.start:s.q_heads.stop], summaries[:, :, s.kv_heads.start:s.kv_heads.stop],
                            tables, nblocks))
     whole = score(q, summaries, tables, nblocks)
-    torch.testing.assert_close(combine_gathered(torch.stack(parts), 2), whole)
+    combined = torch.stack(parts).sum(0) if world == 2 else combine_gathered(torch.stack(parts), 2)
+    torch.testing.assert_close(combined, whole)
 
 
 @pytest.mark.parametrize("model, world, message", [

@@ -51,7 +51,7 @@ def expand_variants(modes: list[str], budgets: list[int], caps: list[float] | No
     for mode in dict.fromkeys(modes):
         if mode == "dense":
             continue
-        scores = (block_scores or [None]) if mode in SCORING_MODES else [None]
+        scores = list(dict.fromkeys(block_scores or [None])) if mode in SCORING_MODES else [None]
         for score in scores:
             for budget in budgets:
                 if mode in LOOKAHEAD_MODES:

@@ -9,12 +9,17 @@ of the summary of KV head ``g = h // group``) and turns the estimates into the s
 attention each block gets, over the sequence's valid blocks:
 
     e_h(j)    = q[h] . c[g] + RADIUS_WEIGHT * |q[h]| . r[g]     (RADIUS_WEIGHT = 1 would be Quest's bound)
-    p_h(j)    = exp(scale * e_h(j)) / sum_i exp(scale * e_h(i))            (i over the valid blocks)
+    p_h(j)    = exp(scale * e_h(j)) / sum_i exp(scale * e_h(i))      (i over the valid blocks but the tail)
     score(j)  = sum_g  max_{h in group g}  p_h(j)
 
 combined over heads as Quest's score is (the best query head of each KV-head group, summed over KV
 heads), so the selection rule and tensor parallelism's combination over ranks stay as they are.
-Scores are in [0, Hkv]; blocks ``j >= num_blocks[n, b]`` score ``-inf``.
+Blocks ``j >= num_blocks[n, b]`` score ``-inf``; a sequence of one block scores 0.
+
+The normaliser leaves out the tail block (the last valid one), which selection always keeps. This keeps oasis's
+prediction exact: a draft that opens a block scores it before the block has a summary (its table entry is
+padding), and at the next step that block is x_t's tail. Without the tail, the draft's normaliser runs over the
+same blocks, with the same summaries, as the next step's.
 
 Two kernels: the first writes every head's estimates and, per tile of blocks, their max and sum of
 exponentials; the second folds the tiles into each head's normaliser and writes the scores.
@@ -76,7 +81,9 @@ def _head_estimates_kernel(
         if not DOT_FP32:
             centre, radius = centre.to(q_ptr.dtype.element_ty), radius.to(q_ptr.dtype.element_ty)
         for qi in tl.static_range(NQ):
-            valid = (j < tl.load(num_blocks_ptr + qi * s_nb_n + b * s_nb_b)) & (j < max_blocks)
+            count = tl.load(num_blocks_ptr + qi * s_nb_n + b * s_nb_b)
+            valid = (j < count) & (j < max_blocks)
+            normalised = (j < count - 1) & (j < max_blocks)  # every valid block but the tail (module docstring)
             qh = tl.load(q_row + qi * s_q_n + (g * GROUP) * s_q_h, mask=q_mask, other=0.0)
             if DOT_FP32:
                 qh = qh.to(tl.float32)
@@ -87,12 +94,13 @@ def _head_estimates_kernel(
                 s = tl.dot(tl.abs(qh), tl.trans(radius), s)
             s = tl.where(valid[None, :], s, float("-inf"))  # [ROWS, BLOCK_N]
             heads = g * GROUP + r
-            out = estimates_ptr + qi * s_bd_n + b * s_bd_b + heads[:, None] * s_bd_h + j[None, :] * s_bd_j
+            out = estimates_ptr + qi * s_bd_n + b.to(tl.int64) * s_bd_b + heads[:, None] * s_bd_h + j[None, :] * s_bd_j
             tl.store(out, s, mask=r_ok[:, None] & (j[None, :] < max_blocks))
-            m = tl.max(s, axis=1)  # [ROWS]; -inf where the tile holds no valid block
+            s = tl.where(normalised[None, :], s, float("-inf"))
+            m = tl.max(s, axis=1)  # [ROWS]; -inf where the tile holds no normalised block
             m_safe = tl.where(m > float("-inf"), m, 0.0)
             total = tl.sum(tl.exp2((s - m_safe[:, None]) * scale_log2), axis=1)
-            part = qi * s_pt_n + b * s_pt_b + heads * s_pt_h + tile * s_pt_t
+            part = qi * s_pt_n + b.to(tl.int64) * s_pt_b + heads * s_pt_h + tile * s_pt_t
             tl.store(part_max_ptr + part, m, mask=r_ok)
             tl.store(part_sum_ptr + part, total, mask=r_ok)
 
@@ -119,7 +127,7 @@ def _mass_kernel(
     for qi in tl.static_range(NQ):
         count = tl.load(num_blocks_ptr + qi * s_nb_n + b * s_nb_b)
         valid = (j < count) & (j < max_blocks)
-        part = qi * s_pt_n + b * s_pt_b + h[:, None] * s_pt_h
+        part = qi * s_pt_n + b.to(tl.int64) * s_pt_b + h[:, None] * s_pt_h
         run_max = tl.full([HQ_POW2], float("-inf"), dtype=tl.float32)
         run_sum = tl.zeros([HQ_POW2], dtype=tl.float32)
         for t0 in range(0, num_tiles, TILE_CHUNK):
@@ -132,9 +140,10 @@ def _mass_kernel(
                 s * tl.exp2((m - base[:, None]) * scale_log2), axis=1)
             run_max = new_max
         base = tl.where(run_max > float("-inf"), run_max, 0.0)
-        est = tl.load(estimates_ptr + qi * s_bd_n + b * s_bd_b + h[:, None] * s_bd_h + j[None, :] * s_bd_j,
+        est = tl.load(estimates_ptr + qi * s_bd_n + b.to(tl.int64) * s_bd_b + h[:, None] * s_bd_h + j[None, :] * s_bd_j,
                       mask=h_ok[:, None] & valid[None, :], other=float("-inf"))
         p = tl.exp2((est - base[:, None]) * scale_log2) / tl.where(run_sum > 0, run_sum, 1.0)[:, None]
+        p = tl.where(run_sum[:, None] > 0, p, 0.0)  # a sequence of one block: nothing to normalise over
         total = tl.zeros([BLOCK_N], dtype=tl.float32)
         for g in range(0, HKV):
             in_group = (h >= g * GROUP) & (h < (g + 1) * GROUP)
@@ -159,9 +168,12 @@ def block_mass_scores_multi_reference(q: torch.Tensor, summaries: torch.Tensor, 
     qf = q.float().view(nq, bsz, hkv, hq // hkv, d)
     estimates = torch.einsum("bjgd,nbghd->nbghj", centre, qf) + torch.einsum(
         "bjgd,nbghd->nbghj", radius, qf.abs())  # [NQ, B, Hkv, group, W]
-    valid = torch.arange(max_blocks, device=q.device)[None, None, :] < num_blocks.long()[:, :, None]  # [NQ, B, W]
-    logits = (estimates * scale).masked_fill(~valid[:, :, None, None, :], float("-inf"))
-    mass = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a sequence with no valid block: all zero
+    j = torch.arange(max_blocks, device=q.device)[None, None, :]
+    valid = j < num_blocks.long()[:, :, None]  # [NQ, B, W]
+    normalised = (j < num_blocks.long()[:, :, None] - 1)[:, :, None, None, :]  # all but the tail block
+    logits = estimates * scale
+    lse = logits.masked_fill(~normalised, float("-inf")).logsumexp(dim=-1, keepdim=True)
+    mass = torch.where(lse > float("-inf"), (logits - lse).exp(), 0.0)  # one block: nothing to normalise over
     return mass.amax(dim=3).sum(dim=2).masked_fill(~valid, float("-inf"))
 
 
