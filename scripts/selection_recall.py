@@ -24,7 +24,7 @@ from collections import defaultdict
 import torch
 
 from oasiskv.cli import main as cli_main
-from oasiskv.kernels.block_mass import block_mass_scores_multi_reference
+from oasiskv.kernels.block_mass import block_mass_scores_multi_reference, scores_from_logits
 from oasiskv.kernels.block_select import block_scores_reference, select_blocks_padded
 from oasiskv.policies.oracle import attention_mass_per_head
 from oasiskv.policies.sparse import QuestPolicy
@@ -60,8 +60,7 @@ def mean_key_scores(policy: QuestPolicy, layer: int, q: torch.Tensor, tables: to
     radius = (summaries[:, :, 1] - summaries[:, :, 0]) / 2
     qf = q.float().view(bsz, hkv, hq // hkv, d)
     est = torch.einsum("bjgd,bghd->bghj", mean, qf) + weight * torch.einsum("bjgd,bghd->bghj", radius, qf.abs())
-    est = (est * policy.scale).masked_fill(~valid[:, None, None, :], float("-inf"))
-    return torch.softmax(est, -1).nan_to_num(0.0).amax(2).sum(1).masked_fill(~valid, float("-inf"))
+    return scores_from_logits(est[None] * policy.scale, valid.sum(1, dtype=torch.int32)[None])[0]
 
 
 def kept_mass_per_kv_head(policy: QuestPolicy, mass: torch.Tensor, nblocks: torch.Tensor) -> torch.Tensor:

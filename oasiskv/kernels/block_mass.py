@@ -32,7 +32,7 @@ import triton.language as tl
 
 from oasiskv.kernels.block_select import _check_multi_args, _check_values, _checks_values
 
-__all__ = ["RADIUS_WEIGHT", "block_mass_scores_multi", "block_mass_scores_multi_reference"]
+__all__ = ["RADIUS_WEIGHT", "block_mass_scores_multi", "block_mass_scores_multi_reference", "scores_from_logits"]
 
 # Tuning, H200, qwen3-8b heads, 1025 blocks, x_t and draft: 39 / 104 us per layer at b16 / b43, within 4% of
 # the best of 12 tunings at each (scripts/gpu_score_bench.py --mass; docs/BENCHMARKS.md, seventeenth session)
@@ -168,10 +168,16 @@ def block_mass_scores_multi_reference(q: torch.Tensor, summaries: torch.Tensor, 
     qf = q.float().view(nq, bsz, hkv, hq // hkv, d)
     estimates = torch.einsum("bjgd,nbghd->nbghj", centre, qf) + torch.einsum(
         "bjgd,nbghd->nbghj", radius, qf.abs())  # [NQ, B, Hkv, group, W]
-    j = torch.arange(max_blocks, device=q.device)[None, None, :]
+    return scores_from_logits(estimates * scale, num_blocks)
+
+
+def scores_from_logits(logits: torch.Tensor, num_blocks: torch.Tensor) -> torch.Tensor:
+    """The mass score from each head's estimated logits, fp32 [NQ, B, Hkv, group, W] (already scaled), and
+    each query's block count int [NQ, B]: the exponentials over their sum over every block but the tail,
+    the best head of each group, summed over groups. fp32 [NQ, B, W], ``-inf`` past each query's blocks."""
+    j = torch.arange(logits.shape[-1], device=logits.device)[None, None, :]
     valid = j < num_blocks.long()[:, :, None]  # [NQ, B, W]
     normalised = (j < num_blocks.long()[:, :, None] - 1)[:, :, None, None, :]  # all but the tail block
-    logits = estimates * scale
     lse = logits.masked_fill(~normalised, float("-inf")).logsumexp(dim=-1, keepdim=True)
     mass = torch.where(lse > float("-inf"), (logits - lse).exp(), 0.0)  # one block: nothing to normalise over
     return mass.amax(dim=3).sum(dim=2).masked_fill(~valid, float("-inf"))
