@@ -40,8 +40,9 @@ _BLOCK_N = 32  # logical blocks per program
 _NUM_WARPS = 2
 _TILE_CHUNK = 64  # tiles folded at once into a head's normaliser
 _LOG2E = 1.4426950408889634
-# Half the radius: on SmolLM2 decode steps the selection then keeps 51% of the attention mass that Quest's
-# bound loses against exact selection (docs/ACCURACY.md, "Block scores"); the full radius keeps less.
+# Half the radius: on SmolLM2's decode steps the selection then keeps about half of the attention (47-48% for each
+# step's worst head) that Quest's bound loses against exact selection; the full radius, or none, keeps less
+# (scripts/selection_recall.py; docs/ACCURACY.md, "Block scores").
 RADIUS_WEIGHT = 0.5
 
 
