@@ -6,7 +6,7 @@ attention a block receives is what matters; and the bound, the block's most opti
 ahead of the keys' typical ones by the block's spread. Here each query head ``h`` estimates each
 block's logit from the block's centre and radius (``c = (min + max) / 2``, ``r = (max - min) / 2``
 of the summary of KV head ``g = h // group``) and turns the estimates into the share of its
-attention each block gets, over the sequence's valid blocks:
+attention each block gets (the normaliser runs over the sequence's valid blocks but the tail, below):
 
     e_h(j)    = q[h] . c[g] + RADIUS_WEIGHT * |q[h]| . r[g]     (RADIUS_WEIGHT = 1 would be Quest's bound)
     p_h(j)    = exp(scale * e_h(j)) / sum_i exp(scale * e_h(i))      (i over the valid blocks but the tail)
