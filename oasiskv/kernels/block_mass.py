@@ -34,8 +34,9 @@ from oasiskv.kernels.block_select import _check_multi_args, _check_values, _chec
 
 __all__ = ["RADIUS_WEIGHT", "block_mass_scores_multi", "block_mass_scores_multi_reference", "scores_from_logits"]
 
-# Tuning, H200, qwen3-8b heads, 1025 blocks, x_t and draft: 39 / 104 us per layer at b16 / b43, within 4% of
-# the best of 12 tunings at each (scripts/gpu_score_bench.py --mass; docs/BENCHMARKS.md, seventeenth session)
+# Tuning, H200, 2026-12-02, qwen3-8b heads, 1025 blocks, x_t and draft: 39 / 104 us per layer at b16 / b43; the best
+# of 12 tunings at b16, 3.6% behind the best at b43 (scripts/gpu_score_bench.py --mass; docs/BENCHMARKS.md,
+# seventeenth session)
 _BLOCK_N = 32  # logical blocks per program
 _NUM_WARPS = 2
 _TILE_CHUNK = 64  # tiles folded at once into a head's normaliser
