@@ -90,7 +90,7 @@ KV_MODES = ("dense", "quest", "retrieval", "oasis", "oracle")  # oracle: eval on
 DRAFTS = ("ngram", "repeat", "eagle3", "ngram+eagle3", "target", "target+eagle3")
 # drafts that run an EAGLE-3 head (--draft-model, captured hidden states)
 HEAD_DRAFTS = ("eagle3", "ngram+eagle3", "target+eagle3")
-MISS_POLICIES = ("skip", "fetch")
+MISS_POLICIES = ("skip", "fetch", "fill")
 # how blocks are scored for selection: Quest's bound summed over heads, or each head's bounds through a softmax
 # over the blocks (an estimate of its attention mass) before the heads are combined (kernels/block_mass.py)
 BLOCK_SCORES = ("bound", "mass")
@@ -115,7 +115,9 @@ class KVConfig:
     fetch_cap: float = 0.05  # at most fetch_cap x budget tokens prefetched per request per layer per step
     draft: str = "ngram"  # ngram | repeat | target | eagle3 | ngram+eagle3 | target+eagle3 (the last three: a head)
     draft_model: str | None = None  # EAGLE-3 head directory
-    miss_policy: str = "skip"  # a selected block not resident: skip it, or fetch it synchronously
+    # a selected block not resident: skip it, fetch it synchronously, or fill its place with x_t's best
+    # resident block outside its selection (policies/miss_fill.py)
+    miss_policy: str = "skip"
 
     def validate(self, block_size: int, num_layers: int) -> None:
         if self.mode not in KV_MODES:

@@ -28,10 +28,12 @@ COUNTERS = ("kv_selected_blocks", "kv_hits", "kv_misses", "kv_prefetched_blocks"
 def engine_for(args, mode: str, eager: bool, dtype: str, context: int, steps: int, overlap: bool | None = None,
                **kv) -> LLMEngine:
     """overlap: --async-scheduling (default: args.async_scheduling, if the script has it); args.block_score, if
-    the script has it and it is set, is the selecting modes' --block-score."""
+    the script has it and it is set, is the selecting modes' --block-score; args.miss_policy likewise oasis's."""
     overlap = getattr(args, "async_scheduling", False) if overlap is None else overlap
     if getattr(args, "block_score", None) and mode != "dense":
         kv.setdefault("block_score", args.block_score)
+    if getattr(args, "miss_policy", None) and mode == "oasis":
+        kv.setdefault("miss_policy", args.miss_policy)
     cfg = EngineConfig(model=args.model, load_format="dummy", dtype=dtype, show_progress=False, enforce_eager=eager,
                        kv=KVConfig(mode=mode, budget=args.budget, host_kv_gb=args.host_gb, **kv),
                        cache=CacheConfig(gpu_memory_gb=args.gpu_gb),
@@ -221,6 +223,7 @@ def main() -> None:
     p.add_argument("--time-modes", default="quest,oasis,dense,retrieval")
     p.add_argument("--fetch-cap", type=float, default=0.05)
     p.add_argument("--block-score", default=None, help="the selecting modes' --block-score (default: the config's)")
+    p.add_argument("--miss-policy", default=None, help="oasis's --miss-policy (default: the config's)")
     p.add_argument("--predict-groups", default="6", help="oasis: layers predicted together, one timing run each")
     p.add_argument("--prefetch-programs", default="16", help="oasis: GPU programs of the prefetch copy (0: one "
                    "per block), one timing run each")

@@ -128,7 +128,8 @@ def measure(args, mode: str, stride: int) -> dict:
     torch.cuda.CUDAGraph.replay = real_replay
     device_ms = [s.elapsed_time(e) for s, e in replays]
     row = {"mode": mode, "async_scheduling": engine.async_scheduling, "draft": kv.get("draft"),
-           "block_score": engine.config.kv.block_score, "profiled": bool(profiler), "stride": stride,
+           "block_score": engine.config.kv.block_score, "miss_policy": engine.config.kv.miss_policy,
+           "profiled": bool(profiler), "stride": stride,
            "prefetch_programs": OasisPolicy.PREFETCH_PROGRAMS,
            "tail_layers": OasisPolicy.TAIL_LAYERS, "batch": args.batch, "wall_ms_per_step": round(wall, 3),
            "replays": graphs.counts["cuda_graph_replays"] - before,
@@ -163,6 +164,7 @@ def main() -> None:
     p.add_argument("--gc-freeze", action="store_true", help="gc.freeze() before the timed steps")
     p.add_argument("--draft", default=None, help="oasis's --draft (default: the config's)")
     p.add_argument("--block-score", default=None, help="--block-score (default: the config's)")
+    p.add_argument("--miss-policy", default=None, help="oasis's --miss-policy (default: the config's)")
     p.add_argument("--profile", default=None, help="also cProfile the timed steps, appending the top to this file "
                    "(inflates the times)")
     p.add_argument("--json", default=None)

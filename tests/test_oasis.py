@@ -25,10 +25,11 @@ def run(llm: LLM, prompts=PROMPTS, params=GREEDY):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def test_perfect_draft_with_full_cap_gives_quest_tokens():
+@pytest.mark.parametrize("miss_policy", ["skip", "fill"])  # no misses: nothing left out, nothing filled
+def test_perfect_draft_with_full_cap_gives_quest_tokens(miss_policy):
     long_prompts = PROMPTS[:2]  # 70 and 120 tokens: both outgrow the 4-block budget
     quest = run(LLM(show_progress=False, kv_mode="quest", **SPARSE), long_prompts)
-    llm = LLM(show_progress=False, kv_mode="oasis", fetch_cap=1.0, **SPARSE)
+    llm = LLM(show_progress=False, kv_mode="oasis", fetch_cap=1.0, miss_policy=miss_policy, **SPARSE)
     engine = llm.engine
     prompts = {str(i): engine.tokenizer.encode(p) for i, p in enumerate(long_prompts)}
     reference = {str(i): t for i, t in enumerate(quest)}
@@ -141,6 +142,16 @@ def tiny_engine(tmp_path, mode: str = "oasis", **kv) -> LLMEngine:
                        kv=KVConfig(mode=mode, budget=64, sink_blocks=1, local_blocks=1, host_kv_gb=0.01, **kv),
                        cache=CacheConfig(kv_cache_gb=0.05), scheduler=SchedulerConfig(max_num_batched_tokens=512))
     return LLMEngine(cfg)
+
+
+def run_random_requests(engine: LLMEngine, seed: int, lengths, max_tokens: int) -> None:
+    """Random-token prompts of these lengths, sampled at temperature 0.8, run to the end."""
+    gen = torch.Generator().manual_seed(seed)
+    for i, length in enumerate(lengths):
+        engine.add_request(torch.randint(0, 256, (length,), generator=gen).tolist(),
+                           SP(temperature=0.8, seed=i, max_tokens=max_tokens, ignore_eos=True), request_id=str(i))
+    while engine.has_unfinished():
+        engine.step()
 
 
 def resident(engine: LLMEngine) -> dict[tuple[str, int], set[int]]:
@@ -286,12 +297,7 @@ def test_prediction_deferred_after_the_step_changes_nothing(tmp_path):
 
         policy.begin_step = begin_then_defer
         engine.runner.execute = forward_then_tail
-        gen = torch.Generator().manual_seed(2)
-        for i in range(3):
-            engine.add_request(torch.randint(0, 256, (120 + 50 * i,), generator=gen).tolist(),
-                               SP(temperature=0.8, seed=i, max_tokens=60, ignore_eos=True), request_id=str(i))
-        while engine.has_unfinished():
-            engine.step()
+        run_random_requests(engine, seed=2, lengths=(120, 170, 220), max_tokens=60)
         assert (len(deferred_groups) > 100) == deferred
         stats = {k: v for k, v in engine.stats_dict().items() if k.startswith("kv_") and "time" not in k}
         runs.append(({rid: r.output_token_ids for rid, r in engine.requests.items()}, stats,

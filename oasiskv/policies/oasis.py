@@ -32,6 +32,7 @@ from oasiskv.kernels.residency import COUNTERS as RESIDENCY_COUNTERS
 from oasiskv.kernels.residency import resident_selection, resident_selection_reference
 from oasiskv.kernels.paged_decode import paged_decode_attention, paged_decode_reference
 from oasiskv.kernels.sparse_decode import sparse_decode_attention_padded, sparse_decode_padded_reference
+from oasiskv.policies.miss_fill import fill_misses
 from oasiskv.policies.tail_graph import PredictInputs, Tail, TailBuffers
 from oasiskv.policies.tiered import TieredPolicy, TieredRows
 
@@ -79,7 +80,7 @@ class OasisPolicy(TieredPolicy):
     name = "oasis"
     wants_drafts = True
     COUNTERS = TieredPolicy.COUNTERS + ("prefetched_blocks", "cold_fetched_blocks", "miss_fetched_blocks",
-                                        "agree_hits", "agree_total")
+                                        "filled_blocks", "agree_hits", "agree_total")
     STEP_TENSORS = TieredPolicy.STEP_TENSORS + ("cold", "fresh")
     LANES = 3  # compute, copy stream, tail stream
     TAIL_LANE = 2
@@ -254,8 +255,9 @@ class OasisPolicy(TieredPolicy):
         draft_kv = (k[real:], v[real:])
         tail_slots = self.write_tail(layer, k[:nd], v[:nd], draft_kv if together else None)
         dense = self.is_dense_layer(layer)
-        # when no miss is fetched, x_t's attended blocks are known at the residency check: one launch does both
-        fused = not together and not self.fetches(dense)
+        # when no miss is fetched or filled, x_t's attended blocks are known at the residency check: one launch
+        # does both
+        fused = not together and not self.fetches(dense) and not self.fills(dense)
         draft = self.draft_write(layer, tail_slots, *draft_kv) if fused else None
         attended, draft_scores = self.resident_selection(layer, q, dense, draft)  # last column: the opened blocks
         if not (together or fused):
@@ -320,14 +322,28 @@ class OasisPolicy(TieredPolicy):
         policy, dense layers)."""
         return dense or self.cfg.miss_policy == "fetch" or self.any_cold
 
+    def fills(self, dense: bool) -> bool:
+        """Whether resident_selection puts resident blocks in the places of misses left out (the "fill" policy)."""
+        return not dense and self.cfg.miss_policy == "fill"
+
     def resident_selection(self, layer, q, dense,
                            draft: DraftWrite | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x_t's selection restricted to what is resident once cold-start (and, with the "fetch"
-        policy, all) misses are fetched: int32 [B, K + 1], -1 where a selected block is left out, the last
+        policy, all) misses are fetched: int32 [B, K + 1], -1 where a selected block is left out (under
+        "fill", replaced by x_t's best resident block outside its selection where there is one), the last
         column the block each draft opens (or -1); and the draft's block scores for the group's prediction
-        (None on dense layers). `q`: all of the step's rows. With `draft` (only where nothing is fetched) the
-        drafts' K/V are written too, in the same launch on the GPU."""
-        draft_scores = None
+        (None on dense layers). `q`: all of the step's rows. With `draft` (only where nothing is fetched or
+        filled) the drafts' K/V are written too, in the same launch on the GPU."""
+        attended, selection, scores, draft_scores = self.check_residency(layer, q, dense, draft)
+        if self.fills(dense):
+            resident = self.ws._slot_of[layer, self.rows.long(), :scores.shape[1]] >= 0
+            attended, filled = fill_misses(attended, selection, scores, resident, self.rows_now.nblocks)
+            self.count("filled_blocks", filled)
+        return attended, draft_scores
+
+    def check_residency(self, layer, q, dense, draft: DraftWrite | None):
+        """resident_selection before any fill: (attended, x_t's selection, its scores or None, draft scores)."""
+        scores = draft_scores = None
         if dense:  # every block; no prediction is made for dense layers, so no agreement either
             selection, judged = self.rows_now.every_block, torch.zeros_like(self.fresh)
         else:
@@ -340,7 +356,7 @@ class OasisPolicy(TieredPolicy):
         attended = check(selection, self.ws._slot_of, self.predicted, self.rows, judged, self.row_counts[0],
                          self.layer_counts[0], self.residency_counters, layer, opened, draft)
         if not self.fetches(dense):  # misses are left out
-            return attended, draft_scores
+            return attended, selection, scores, draft_scores
         fetch_all = dense or self.cfg.miss_policy == "fetch"
         fetch_rows = torch.ones_like(self.cold) if fetch_all else self.cold
         resident = attended[:, :-1]
@@ -349,7 +365,8 @@ class OasisPolicy(TieredPolicy):
             fetched, _ = self.fetch(layer, need, self.mask_of(selection))
         self.count("cold_fetched_blocks", fetched & self.cold[:, None])
         self.count("miss_fetched_blocks", fetched & ~self.cold[:, None])
-        return torch.cat([torch.where((resident >= 0) | fetched, selection, -1), opened[:, None]], 1), draft_scores
+        attended = torch.cat([torch.where((resident >= 0) | fetched, selection, -1), opened[:, None]], 1)
+        return attended, selection, scores, draft_scores
 
     def score_now_and_draft(self, layer, q) -> tuple[torch.Tensor, torch.Tensor]:
         """x_t's block scores fp32 [B, W] (W: the decode block tables' width) and the draft's [B, W + 1]
