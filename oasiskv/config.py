@@ -116,7 +116,7 @@ class KVConfig:
     draft: str = "ngram"  # ngram | repeat | target | eagle3 | ngram+eagle3 | target+eagle3 (the last three: a head)
     draft_model: str | None = None  # EAGLE-3 head directory
     # a selected block not resident: skip it, fetch it synchronously, or fill its place with x_t's best
-    # resident block outside its selection (policies/miss_fill.py)
+    # resident block outside its selection (kernels/miss_fill.py)
     miss_policy: str = "skip"
 
     def validate(self, block_size: int, num_layers: int) -> None:

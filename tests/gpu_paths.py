@@ -10,8 +10,8 @@ def force_gpu_kernel_paths() -> None:
     import oasiskv.policies.oasis as op
     import oasiskv.policies.sparse as sp
     import oasiskv.policies.tiered as tp
-    from oasiskv.kernels import (block_mass, block_select, block_topk, draft_kv, host_gather, residency, rotary,
-                                 sparse_decode, tail_append)
+    from oasiskv.kernels import (block_mass, block_select, block_topk, draft_kv, host_gather, miss_fill, residency,
+                                 rotary, sparse_decode, tail_append)
     from oasiskv.kv import summaries, working_set
 
     llama.apply_rotary_qk_reference = rotary.apply_rotary_qk  # bit for bit the torch ops, so tokens stay equal
@@ -23,6 +23,7 @@ def force_gpu_kernel_paths() -> None:
     sp.block_mass_scores_multi_reference = block_mass.block_mass_scores_multi
     op.predict_prefetch_reference = block_topk.predict_prefetch
     op.resident_selection_reference = residency.resident_selection
+    op.fill_misses_reference = miss_fill.fill_misses
     op.write_draft_kv_reference = draft_kv.write_draft_kv
     tp.append_to_tails_reference = tail_append.append_to_tails
     tp.gather_host_blocks_reference = lambda host, pool, *copies: host_gather.gather_host_blocks(

@@ -28,11 +28,11 @@ import torch
 
 from oasiskv.kernels.block_topk import predict_prefetch, predict_prefetch_reference
 from oasiskv.kernels.draft_kv import DraftWrite, write_draft_kv, write_draft_kv_reference
+from oasiskv.kernels.miss_fill import fill_misses, fill_misses_reference
 from oasiskv.kernels.residency import COUNTERS as RESIDENCY_COUNTERS
 from oasiskv.kernels.residency import resident_selection, resident_selection_reference
 from oasiskv.kernels.paged_decode import paged_decode_attention, paged_decode_reference
 from oasiskv.kernels.sparse_decode import sparse_decode_attention_padded, sparse_decode_padded_reference
-from oasiskv.policies.miss_fill import fill_misses
 from oasiskv.policies.tail_graph import PredictInputs, Tail, TailBuffers
 from oasiskv.policies.tiered import TieredPolicy, TieredRows
 
@@ -336,8 +336,9 @@ class OasisPolicy(TieredPolicy):
         filled) the drafts' K/V are written too, in the same launch on the GPU."""
         attended, selection, scores, draft_scores = self.check_residency(layer, q, dense, draft)
         if self.fills(dense):
-            resident = self.ws._slot_of[layer, self.rows.long(), :scores.shape[1]] >= 0
-            attended, filled = fill_misses(attended, selection, scores, resident, self.rows_now.nblocks)
+            fill = fill_misses if self.cuda else fill_misses_reference
+            attended, filled = fill(attended, selection, scores, self.ws.block_of[layer], self.rows,
+                                    self.rows_now.nblocks)
             self.count("filled_blocks", filled)
         return attended, draft_scores
 

@@ -1,0 +1,136 @@
+"""Oasis's "fill" miss policy in one launch per layer: a selected block that is not resident gives its
+place to the best-scoring resident block outside the selection, so x_t still attends to up to a budget.
+
+Under "skip" a miss shrinks x_t's attention by one block. The working set holds the previous step's
+prediction, which overlaps x_t's selection but is not equal to it, so resident blocks x_t did not select are
+at hand, and x_t's own scores rank them. A row without misses keeps its selection exactly, so with a
+perfect draft and the cap at 1 oasis still equals quest.
+
+For decode row b (request row r = rows[b]):
+  miss[b, j]   = selection[b, j] >= 0 and attended[b, j] < 0           (j < K)
+  candidates   = blocks held in block_of[r, :] (the layer's slots), below nblocks[b], not in attended[b, :K]
+  the i-th miss of the row (in column order) takes the i-th best candidate: higher score first, the lower
+  block id on a tie; candidates scored -inf are never taken, and misses past the candidates stay -1.
+Columns of `attended` past K (oasis's opened block) are copied unchanged. Returns the filled `attended` and
+the count of places filled per row.
+
+The kernel loops once per miss of its row (usually a few), each pass a max and a min over the row's slots.
+The torch twin runs on the CPU; the tests check both against a row-by-row brute force."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["fill_misses", "fill_misses_reference"]
+
+
+@triton.jit
+def _fill_kernel(att_ptr, sel_ptr, score_ptr, block_of_ptr, rows_ptr, nblocks_ptr, out_ptr, count_ptr,
+                 K, E, S, s_att, s_sel, s_score, s_block_of, s_out,
+                 K_PAD: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr):
+    b = tl.program_id(0)
+    j = tl.arange(0, K_PAD)
+    sel = tl.load(sel_ptr + b * s_sel + j, mask=j < K, other=-1)
+    att = tl.load(att_ptr + b * s_att + j, mask=j < K, other=-1)
+    e = tl.arange(0, E_PAD)
+    tl.store(out_ptr + b * s_out + K + e, tl.load(att_ptr + b * s_att + K + e, mask=e < E), mask=e < E)
+
+    miss = (sel >= 0) & (att < 0)
+    misses = tl.sum(miss.to(tl.int32), axis=0)
+    place = tl.cumsum(miss.to(tl.int32), axis=0) - 1  # the i-th miss takes candidate i
+
+    r = tl.load(rows_ptr + b).to(tl.int64)
+    n = tl.load(nblocks_ptr + b)
+    s = tl.arange(0, S_PAD)
+    held = tl.load(block_of_ptr + r * s_block_of + s, mask=s < S, other=-1)
+    taken = tl.max(((held[:, None] == att[None, :]) & (att[None, :] >= 0)).to(tl.int32), axis=1) > 0
+    free = (held >= 0) & (held < n) & ~taken
+    score = tl.load(score_ptr + b * s_score + held, mask=free, other=float("-inf"))
+    free = free & (score > float("-inf"))
+
+    out = att
+    filled = tl.zeros([K_PAD], dtype=tl.int32)
+    for i in range(misses):
+        best = tl.max(tl.where(free, score, float("-inf")), axis=0)
+        pick = tl.min(tl.where(free & (score == best), held, 2147483647), axis=0)
+        here = miss & (place == i)
+        here = here & (tl.where(here, best, float("-inf")) > float("-inf"))  # no candidate left: stays -1
+        out = tl.where(here, pick, out)
+        filled += here.to(tl.int32)
+        free = free & (held != pick)
+    tl.store(out_ptr + b * s_out + j, out, mask=j < K)
+    tl.store(count_ptr + b, tl.sum(filled, axis=0))
+
+
+def fill_misses(attended: torch.Tensor, selection: torch.Tensor, scores: torch.Tensor, block_of: torch.Tensor,
+                rows: torch.Tensor, nblocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """attended int32 [B, K + E], selection int32 [B, K], scores fp32 [B, W] (x_t's block scores; every block
+    held below nblocks must be < W), block_of int32 [R, S] (the layer's slots per request row), rows int [B],
+    nblocks int32 [B]. Returns (attended filled, int32 [B] places filled), as the module docstring says."""
+    _check(attended, selection, scores, block_of, rows, nblocks)
+    if not (attended.is_cuda or type(_fill_kernel).__name__ == "InterpretedFunction"):
+        return fill_misses_reference(attended, selection, scores, block_of, rows, nblocks)
+    batch, k = selection.shape
+    extra = attended.shape[1] - k
+    out = torch.empty_like(attended)
+    counts = torch.zeros(batch, dtype=torch.int32, device=attended.device)
+    if batch == 0 or k == 0:
+        out.copy_(attended)
+        return out, counts
+    _fill_kernel[(batch,)](attended, selection, scores, block_of, rows.contiguous(), nblocks.contiguous(), out,
+                           counts, k, extra, block_of.shape[1], attended.stride(0), selection.stride(0),
+                           scores.stride(0), block_of.stride(0), out.stride(0),
+                           K_PAD=max(2, triton.next_power_of_2(k)), S_PAD=max(2, triton.next_power_of_2(block_of.shape[1])),
+                           E_PAD=max(2, triton.next_power_of_2(max(extra, 1))), num_warps=4)
+    return out, counts
+
+
+def fill_misses_reference(attended, selection, scores, block_of, rows, nblocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch twin of fill_misses: fixed shapes, no host sync (it also runs inside a CUDA graph)."""
+    _check(attended, selection, scores, block_of, rows, nblocks)
+    batch, k = selection.shape
+    width = scores.shape[1]
+    head = attended[:, :k]
+    miss = (selection >= 0) & (head < 0)
+    held = block_of[rows.long()].long()  # [B, S]
+    resident = _mark(held, width)
+    taken = _mark(head.long(), width)
+    columns = torch.arange(width, device=scores.device)
+    free = resident & ~taken & (columns[None, :] < nblocks[:, None])
+    ranked = torch.where(free, scores.float(), float("-inf"))
+    best, order = torch.sort(ranked, dim=1, descending=True, stable=True)  # ties: the lower block first
+    place = miss.cumsum(1) - 1
+    top = min(k, width)
+    pick = place.clamp(0, top - 1)
+    filled = miss & (place < top) & torch.isfinite(best[:, :top].gather(1, pick))
+    head = torch.where(filled, order.gather(1, pick).to(attended.dtype), head)
+    return torch.cat([head, attended[:, k:]], 1), filled.sum(1, dtype=torch.int32)
+
+
+def _mark(blocks: torch.Tensor, width: int) -> torch.Tensor:
+    """bool [B, width]: which of columns 0..width-1 appear in `blocks` (int [B, N]; -1 and ids >= width ignored)."""
+    inside = (blocks >= 0) & (blocks < width)
+    marks = torch.zeros(blocks.shape[0], width + 1, dtype=torch.bool, device=blocks.device)
+    return marks.scatter_(1, torch.where(inside, blocks, width), True)[:, :width]
+
+
+def _check(attended, selection, scores, block_of, rows, nblocks) -> None:
+    if selection.dim() != 2 or selection.dtype != torch.int32:
+        raise ValueError(f"selection must be int32 [B, K], got {selection.dtype} {tuple(selection.shape)}")
+    batch, k = selection.shape
+    if attended.dim() != 2 or attended.dtype != torch.int32 or attended.shape[0] != batch or attended.shape[1] < k:
+        raise ValueError(f"attended must be int32 [B, >= K] = [{batch}, >= {k}], got {attended.dtype} "
+                         f"{tuple(attended.shape)}")
+    if scores.dim() != 2 or scores.shape[0] != batch or scores.dtype != torch.float32:
+        raise ValueError(f"scores must be fp32 [B={batch}, W], got {scores.dtype} {tuple(scores.shape)}")
+    if block_of.dim() != 2 or block_of.dtype != torch.int32:
+        raise ValueError(f"block_of must be int32 [rows, slots], got {block_of.dtype} {tuple(block_of.shape)}")
+    if rows.shape != (batch,) or nblocks.shape != (batch,):
+        raise ValueError(f"rows and nblocks must be [B={batch}], got {tuple(rows.shape)} and {tuple(nblocks.shape)}")
+    for name, t in (("selection", selection), ("scores", scores), ("block_of", block_of), ("rows", rows),
+                    ("nblocks", nblocks)):
+        if t.device != attended.device:
+            raise ValueError(f"{name} is on {t.device}, attended on {attended.device}")
+    if attended.stride(1) != 1 or selection.stride(1) != 1 or scores.stride(1) != 1 or block_of.stride(1) != 1:
+        raise ValueError("attended, selection, scores and block_of must be contiguous along their last dimension")
