@@ -108,6 +108,16 @@ def test_variants_and_configs():
         variant_config(EngineConfig(), Variant("no-such-mode", 256))
 
 
+def test_miss_policy_sweep_names_its_rows():
+    variants = expand_variants(["quest", "oasis"], [512], [0.05], ["ngram"], ["bound", "mass"], ["skip", "fill"])
+    assert Variant("quest", 512, block_score="mass") in variants and len(variants) == 2 + 4  # quest has no misses
+    assert Variant("oasis", 512, 0.05, "ngram", "bound", "skip").series == "oasis@0.05 ngram"  # defaults unnamed
+    assert Variant("oasis", 512, 0.05, "ngram", "mass", "fill").series == "oasis+mass+fill@0.05 ngram"
+    assert variant_config(EngineConfig(), Variant("oasis", 512, 0.05, miss_policy="fill")).kv.miss_policy == "fill"
+    with pytest.raises(ValueError, match="--miss-policy must be one of"):
+        variant_config(EngineConfig(), Variant("oasis", 512, 0.05, miss_policy="hope"))
+
+
 def test_cap_sweep_skips_caps_below_one_block():
     sweep = expand_variants(["quest", "oasis"], [512, 2048], [0.01, 0.05, 1.0], None)
     runnable, skipped = split_runnable(sweep, block_size=16)

@@ -15,7 +15,7 @@ from oasiskv.config import EngineConfig, KVConfig
 from oasiskv.evals.haystack import Haystack
 from oasiskv.evals.tasks import SYNTHETIC, Settings, build_task
 
-LOOKAHEAD_MODES = ("oasis",)  # modes that take a fetch cap and a draft source
+LOOKAHEAD_MODES = ("oasis",)  # modes that take a fetch cap, a draft source and a miss policy
 SCORING_MODES = ("quest", "retrieval", "oasis")  # modes that rank blocks by their summaries (--block-score)
 
 
@@ -26,12 +26,15 @@ class Variant:
     fetch_cap: float | None = None
     draft: str | None = None
     block_score: str | None = None
+    miss_policy: str | None = None
 
     @property
     def series(self) -> str:
-        """The variant without its budget: a row of the table, a line of the plot (oasis@0.05, quest+mass).
-        The default block score is not named."""
-        text = self.mode + (f"+{self.block_score}" if self.block_score not in (None, KVConfig.block_score) else "")
+        """The variant without its budget: a row of the table, a line of the plot (oasis@0.05, quest+mass,
+        oasis+mass+fill@0.05). The default block score and miss policy are not named."""
+        text = self.mode
+        for value, default in ((self.block_score, KVConfig.block_score), (self.miss_policy, KVConfig.miss_policy)):
+            text += f"+{value}" if value not in (None, default) else ""
         text += f"@{self.fetch_cap:g}" if self.fetch_cap is not None else ""
         return text + (f" {self.draft}" if self.draft else "")
 
@@ -43,10 +46,10 @@ class Variant:
 DENSE = Variant("dense")
 
 
-def expand_variants(modes: list[str], budgets: list[int], caps: list[float] | None,
-                    drafts: list[str] | None, block_scores: list[str] | None = None) -> list[Variant]:
-    """Every non-dense mode at every budget; lookahead modes also at every cap and draft source, and the
-    modes that score blocks at every block score."""
+def expand_variants(modes: list[str], budgets: list[int], caps: list[float] | None, drafts: list[str] | None,
+                    block_scores: list[str] | None = None, miss_policies: list[str] | None = None) -> list[Variant]:
+    """Every non-dense mode at every budget; lookahead modes also at every cap, draft source and miss policy,
+    and the modes that score blocks at every block score."""
     out = []
     for mode in dict.fromkeys(modes):
         if mode == "dense":
@@ -55,7 +58,8 @@ def expand_variants(modes: list[str], budgets: list[int], caps: list[float] | No
         for score in scores:
             for budget in budgets:
                 if mode in LOOKAHEAD_MODES:
-                    out += [Variant(mode, budget, c, d, score) for c in caps or [None] for d in drafts or [None]]
+                    out += [Variant(mode, budget, c, d, score, m) for m in dict.fromkeys(miss_policies or [None])
+                            for c in caps or [None] for d in drafts or [None]]
                 else:
                     out.append(Variant(mode, budget, block_score=score))
     return out
@@ -71,7 +75,7 @@ def split_runnable(variants: list[Variant], block_size: int) -> tuple[list[Varia
 
 def variant_config(base: EngineConfig, v: Variant) -> EngineConfig:
     changes = {}
-    for name in ("budget", "fetch_cap", "draft", "block_score"):
+    for name in ("budget", "fetch_cap", "draft", "block_score", "miss_policy"):
         if getattr(v, name) is not None:
             changes[name] = getattr(v, name)
     missing = [n for n in changes if n not in {f.name for f in dataclasses.fields(KVConfig)}]
