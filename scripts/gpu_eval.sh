@@ -23,6 +23,7 @@ OUT=${1:-${OUT:-results/eval}}
 MODEL=${MODEL:-/root/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 CACHE=${CACHE:-.carry/eval-cache}
 CONTEXT=${CONTEXT:-8192}; BUDGETS=${BUDGETS:-512,1024,2048}; CAPS=${CAPS:-0.01,0.05,1}
+MISS=${MISS:-skip}  # oasis's miss policies, e.g. MISS=skip,fill (each policy doubles oasis's rows)
 SIZES=${SIZES:---windows 8 --scored 32 --gen-tokens 32 --samples 10 --batch 20 --max-num-batched-tokens 16384}
 LIMIT=${LIMIT:-530}  # seconds for both evals: under the device call's 600 s, with room to fetch results
 PY=${PY:-python3}
@@ -42,7 +43,7 @@ run_eval() {  # NAME SECONDS ARGS...: one eval under a time limit; table and plo
 }
 
 run_eval eval_8k $((LIMIT - 60)) --modes dense,quest,oracle,oasis --kv-budget "$BUDGETS" --fetch-cap "$CAPS" \
-  --draft ngram --plot "$OUT/eval_8k.png"
+  --draft ngram --miss-policy "$MISS" --plot "$OUT/eval_8k.png"
 left=$((LIMIT - (SECONDS - start)))
 if [ "$left" -gt 45 ]; then
   run_eval eval_8k_retrieval "$left" --modes dense,retrieval --kv-budget 2048
