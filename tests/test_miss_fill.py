@@ -33,6 +33,7 @@ def test_engine_fills_misses_with_resident_blocks_only(tmp_path):
     assert checked and stats["kv_misses"] > 0
     # random weights move the selection every step: many misses, and resident blocks to fill them with
     assert 0 < stats["kv_filled_blocks"] <= stats["kv_misses"]
+    assert stats["kv_fill_rate"] == round(stats["kv_filled_blocks"] / stats["kv_misses"], 6)
 
 
 def test_fill_with_budget_above_context_is_dense():
