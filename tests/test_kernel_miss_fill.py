@@ -49,8 +49,12 @@ def random_case(batch, k, width, slots, extra, seed, ties=False):
         held = set(block_of[int(rows[b])].tolist())
         attended[b, :n] = torch.tensor([int(c) if int(c) in held else -1 for c in chosen], dtype=torch.int32)
         attended[b, k:] = torch.randint(-1, width, (extra,), generator=gen).int()
-    scores = torch.randint(0, 3, (batch, width), generator=gen).float() if ties else torch.randn(batch, width, generator=gen)
-    scores[:, -1] = float("-inf") if width > 3 else scores[:, -1]  # a block scored -inf is never taken
+    if ties:
+        scores = torch.randint(0, 3, (batch, width), generator=gen).float()
+    else:
+        scores = torch.randn(batch, width, generator=gen)
+    if width > 3:
+        scores[:, -1] = float("-inf")  # a block scored -inf is never taken
     return attended, selection, scores, block_of, rows, nblocks
 
 

@@ -14,7 +14,7 @@ For decode row b (request row r = rows[b]):
 Columns of `attended` past K (oasis's opened block) are copied unchanged. Returns the filled `attended` and
 the count of places filled per row.
 
-The kernel loops once per miss of its row (usually a few), each pass a max and a min over the row's slots.
+The kernel loops once per miss of its row, each pass a max and a min over the row's slots.
 The torch twin runs on the CPU; the tests check both against a row-by-row brute force."""
 from __future__ import annotations
 
@@ -81,7 +81,8 @@ def fill_misses(attended: torch.Tensor, selection: torch.Tensor, scores: torch.T
     _fill_kernel[(batch,)](attended, selection, scores, block_of, rows.contiguous(), nblocks.contiguous(), out,
                            counts, k, extra, block_of.shape[1], attended.stride(0), selection.stride(0),
                            scores.stride(0), block_of.stride(0), out.stride(0),
-                           K_PAD=max(2, triton.next_power_of_2(k)), S_PAD=max(2, triton.next_power_of_2(block_of.shape[1])),
+                           K_PAD=max(2, triton.next_power_of_2(k)),
+                           S_PAD=max(2, triton.next_power_of_2(block_of.shape[1])),
                            E_PAD=max(2, triton.next_power_of_2(max(extra, 1))), num_warps=4)
     return out, counts
 
