@@ -309,6 +309,7 @@ class BenchConfig:
     num_prompts: int | None = None  # --modes runs: default one wave at the mode's largest concurrency
     profile_steps: int = 5  # decode steps timed phase by phase with --profile-step
     prompt_seed: int = 0  # random prompts are drawn from this seed, the same for every mode
+    prompt_corpus: str | None = None  # None: random tokens; else windows of this evals corpus (a real model)
     # bench kernels: Qwen3-8B shapes at 16K context on the GPU
     kernel_context: int = 16384
     kernel_batches: str = "1,8,32"

@@ -141,3 +141,53 @@ def test_async_scheduling_runs_every_mode(tiny, tmp_path):
     for r in rows.values():
         assert r["num_prompts"] == 4 and r["output_tok_s"] == pytest.approx(4 * OUT / r["elapsed_s"], rel=1e-3)
     assert 0 <= rows["oasis"]["draft_accuracy"] <= 1
+
+
+def test_corpus_prompts_are_seeded_windows_of_the_text():
+    from oasiskv.bench.workload import workload_prompts
+    from oasiskv.evals.texts import builtin_sample
+    from oasiskv.models.tokenizer import ByteTokenizer
+
+    class Engine:  # what workload_prompts reads: the tokenizer (bytes: a window is a substring of the text)
+        tokenizer = ByteTokenizer()
+
+    text = builtin_sample()
+    first = workload_prompts(Engine, 3, 200, seed=7, corpus="sample")
+    assert first == workload_prompts(Engine, 3, 200, seed=7, corpus="sample")
+    assert first != workload_prompts(Engine, 3, 200, seed=8, corpus="sample")
+    for ids in first:
+        assert len(ids) == 200 and bytes(ids).decode("utf-8", errors="ignore")[8:-8] in text
+    with pytest.raises(ValueError, match="unknown corpus"):
+        workload_prompts(Engine, 1, 200, seed=0, corpus="nonesuch")
+
+
+def test_prompt_corpus_and_fill_reach_the_rows(tiny, tmp_path):
+    out = tmp_path / "fill.json"
+    bench(tiny, "--modes", "dense,oasis", "--max-num-seqs", "2", "--prompt-corpus", "sample", "--miss-policy", "fill",
+          "--json", str(out))
+    result = json.loads(out.read_text())
+    rows = {r["mode"]: r for r in result["rows"]}
+    assert result["workload"]["prompt_corpus"] == "sample" and "partial" not in result
+    assert rows["oasis"]["miss_policy"] == "fill" and "miss_policy" not in rows["dense"]
+    assert 0 <= rows["oasis"]["fill_rate"] <= 1 and rows["dense"]["fill_rate"] is None
+    with pytest.raises(SystemExit, match="--prompt-corpus nonesuch: unknown corpus"):
+        bench(tiny, "--modes", "dense", "--prompt-corpus", "nonesuch")
+
+
+def test_a_run_cut_short_keeps_the_modes_it_finished(tiny, tmp_path, monkeypatch):
+    """Each engine's row is written as soon as it is measured (a device call's time limit can end the run)."""
+    from oasiskv.bench import modes
+
+    measure = modes.measure_mode
+
+    def fail_on_quest(engine, *args, **kwargs):
+        if engine.policy.name == "quest":
+            raise KeyboardInterrupt  # what a time limit's signal looks like from inside the run
+        return measure(engine, *args, **kwargs)
+
+    monkeypatch.setattr(modes, "measure_mode", fail_on_quest)
+    out = tmp_path / "cut.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench(tiny, "--modes", "dense,quest", "--max-num-seqs", "2", "--json", str(out))
+    result = json.loads(out.read_text())
+    assert result["partial"] is True and [r["mode"] for r in result["rows"]] == ["dense"]

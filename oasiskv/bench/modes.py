@@ -15,7 +15,7 @@ from oasiskv.bench import plots
 from oasiskv.bench.ceilings import memory_copy_gbps
 from oasiskv.bench.report import add_ratios, print_cap_table, print_modes_table, print_sweep_table, sig, write_json
 from oasiskv.bench.step_profile import format_profile, profile_step
-from oasiskv.bench.workload import add_roofline, max_concurrency, random_prompts, run_workload, warm_up
+from oasiskv.bench.workload import add_roofline, max_concurrency, run_workload, warm_up, workload_prompts
 from oasiskv.config import KV_MODES, EngineConfig
 from oasiskv.engine.engine import pick_device
 
@@ -74,10 +74,15 @@ def measure_mode(engine, args, hbm_gbps: float, concurrency: int | None = None, 
     held = max_concurrency(engine, args.input_len, args.output_len)
     concurrency = min(concurrency or held, held)
     warm_up(engine, args.input_len, args.warmup_steps, args.prompt_seed, batch=concurrency)
-    prompts = random_prompts(num_prompts or args.num_prompts or concurrency, args.input_len,
-                             engine.model_config.vocab_size, args.prompt_seed)
+    try:
+        prompts = workload_prompts(engine, num_prompts or args.num_prompts or concurrency, args.input_len,
+                                   args.prompt_seed, getattr(args, "prompt_corpus", None))
+    except ValueError as e:
+        raise SystemExit(f"error: --prompt-corpus {args.prompt_corpus}: {e}")
     row = add_roofline(run_workload(engine, prompts, args.output_len, concurrency), hbm_gbps)
     row["max_concurrency"] = held
+    if engine.policy.name == "oasis":
+        row["miss_policy"] = engine.config.kv.miss_policy
     row["async_scheduling"] = engine.async_scheduling
     if getattr(args, "profile_step", False):
         row["step_profile"] = profile_step(engine, concurrency, args.input_len, args.profile_steps, args.prompt_seed)
@@ -100,6 +105,7 @@ def run_modes(args, config: EngineConfig) -> dict:
     for mode in modes:
         row, info = with_engine(mode_config(config, mode), lambda e: measure_mode(e, args, hbm))
         rows.append({**row, **info})
+        save_progress(args, config, {"kind": "modes", "hbm_gbps": round(hbm, 1), "rows": rows})
     rows = add_ratios(earlier_rows(args.compare_to, "modes", "mode", modes) + rows)
     print_modes_table(rows)
     result = {"kind": "modes", "hbm_gbps": round(hbm, 1), "rows": rows}
@@ -132,6 +138,8 @@ def run_concurrency_sweep(args, config: EngineConfig) -> dict:
     for mode in modes:
         points, info = with_engine(mode_config(config, mode), lambda e: sweep_points(e, args, hbm, levels))
         rows += [{**p, **info} for p in points]
+        save_progress(args, config, {"kind": "concurrency_sweep", "hbm_gbps": round(hbm, 1), "levels": levels,
+                                     "rows": rows})
     print_sweep_table(rows)
     result = {"kind": "concurrency_sweep", "hbm_gbps": round(hbm, 1), "levels": levels, "rows": rows}
     finish(args, config, result, plots.plot_concurrency)
@@ -156,18 +164,27 @@ def run_fetch_cap_sweep(args, config: EngineConfig) -> dict:
     for cap in caps:
         row, info = with_engine(mode_config(config, "oasis", fetch_cap=cap), lambda e: measure_mode(e, args, hbm))
         rows.append({"fetch_cap": cap, **row, **info})
+        save_progress(args, config, {"kind": "fetch_cap_sweep", "hbm_gbps": round(hbm, 1), "rows": rows})
     print_cap_table(rows)
     result = {"kind": "fetch_cap_sweep", "hbm_gbps": round(hbm, 1), "rows": rows}
     finish(args, config, result, plots.plot_fetch_cap)
     return result
 
 
+def save_progress(args, config: EngineConfig, partial: dict) -> None:
+    """The rows measured so far, written to --json after each engine: a run cut short (a device call's time
+    limit) keeps them. The finished run overwrites the file."""
+    if args.json:
+        finish(args, config, {**partial, "partial": True}, plot=None)
+
+
 def finish(args, config: EngineConfig, result: dict, plot) -> None:
     result.update(workload={"input_len": args.input_len, "output_len": args.output_len,
-                            "num_prompts": args.num_prompts, "prompt_seed": args.prompt_seed},
+                            "num_prompts": args.num_prompts, "prompt_seed": args.prompt_seed,
+                            "prompt_corpus": getattr(args, "prompt_corpus", None)},
                   config=dataclasses.asdict(config))
     if args.json:
         write_json(args.json, result, pick_device(config.device))
-    if args.plot:
+    if args.plot and plot:
         plot(result, args.plot)
         print(f"wrote {args.plot}")

@@ -10,12 +10,12 @@ import torch
 
 MODE_COLUMNS = ("mode", "max_concurrency_held", "num_prompts", "requests_per_s", "output_tok_s", "total_tok_s",
                 "mean_tpot_ms", "decode_tok_s", "decode_step_ms", "replay_step_ms", "pcie_gb_per_step", "hit_rate",
-                "agreement", "output_vs_dense", "decode_vs_dense")
+                "agreement", "fill_rate", "output_vs_dense", "decode_vs_dense")
 SWEEP_COLUMNS = ("mode", "concurrency", "max_concurrency_held", "output_tok_s", "decode_tok_s", "decode_step_ms",
                  "replay_step_ms", "mean_tpot_ms", "pcie_gb_per_step", "roofline_fraction")
 CAP_COLUMNS = ("fetch_cap", "max_concurrency_held", "output_tok_s", "decode_tok_s", "decode_step_ms",
                "replay_step_ms", "pcie_gb_per_step", "prefetch_gb_per_step", "prefetch_exposed_ms_per_step", "hit_rate",
-               "agreement")
+               "agreement", "fill_rate")
 
 
 def add_ratios(rows: list[dict]) -> list[dict]:
@@ -52,7 +52,8 @@ def print_modes_table(rows: list[dict]) -> None:
     print()
     for r in rows:
         source = f"  (from {r['from']})" if "from" in r else ""
-        print(f"{r['mode']}: {r.get('kv', '')}{source}")
+        policy = f", misses {r['miss_policy']}" if r.get("miss_policy") else ""
+        print(f"{r['mode']}: {r.get('kv', '')}{policy}{source}")
         print(f"  Throughput: {r['requests_per_s']:.2f} requests/s, {r['total_tok_s']:.2f} total tokens/s, "
               f"{r['output_tok_s']:.2f} output tokens/s  (concurrency {r['max_concurrency_held']} held, "
               f"{r['num_prompts']} prompts, {r['elapsed_s']:.1f} s)")

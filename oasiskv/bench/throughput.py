@@ -41,6 +41,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                                                   "runs at the largest concurrency it holds")
     m.add_argument("--num-prompts", type=int, default=d.num_prompts, help="default: one per request held at once")
     m.add_argument("--prompt-seed", type=int, default=d.prompt_seed)
+    m.add_argument("--prompt-corpus", default=d.prompt_corpus,
+                   help="prompts are windows of this text corpus (austen, mobydick, bible, stdlib, sample; see "
+                        "`oasiskv eval`), tokenized by the model, instead of random tokens: a trained model's "
+                        "attention on real text (hit rate, agreement). Fetched corpora are cached under "
+                        "$OASISKV_EVAL_CACHE")
     m.add_argument("--sweep-concurrency", default=None, help="e.g. 1,8,16,32,64: throughput against concurrency "
                                                               "for each of --modes (or --kv-mode)")
     m.add_argument("--sweep-fetch-cap", default=None, help="e.g. 0.01,0.02,0.05,0.1,1: oasis at each fetch cap")

@@ -20,13 +20,34 @@ from oasiskv.bench.report import sig
 from oasiskv.config import SamplingParams
 
 KV_COUNTERS = ("kv_bytes_gathered", "kv_prefetch_bytes", "kv_agree_hits", "kv_agree_total", "kv_hits",
-               "kv_selected_blocks", "kv_misses", "kv_time_prefetch_s", "kv_time_prefetch_exposed_s")
+               "kv_selected_blocks", "kv_misses", "kv_filled_blocks", "kv_time_prefetch_s", "kv_time_prefetch_exposed_s")
 
 
 def random_prompts(num: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     vocab = min(vocab_size, 32000)
     return torch.randint(0, vocab, (num, input_len), generator=gen).tolist()
+
+
+def corpus_prompts(num: int, input_len: int, tokenizer, corpus: str, seed: int) -> list[list[int]]:
+    """num windows of input_len tokens from an evals corpus, each from a seeded random sentence start."""
+    import random
+
+    from oasiskv.evals.haystack import Haystack
+    from oasiskv.evals.texts import load_corpus
+
+    if tokenizer is None:
+        raise ValueError("--prompt-corpus needs the model's tokenizer")
+    hay = Haystack(load_corpus(corpus), tokenizer)
+    rng = random.Random(seed)
+    return [hay.window_ids(input_len, rng) for _ in range(num)]
+
+
+def workload_prompts(engine, num: int, input_len: int, seed: int, corpus: str | None = None) -> list[list[int]]:
+    """The prompts every mode gets: random tokens, or windows of real text (--prompt-corpus)."""
+    if corpus:
+        return corpus_prompts(num, input_len, engine.tokenizer, corpus, seed)
+    return random_prompts(num, input_len, engine.model_config.vocab_size, seed)
 
 
 def kv_bytes_read(engine, tokens: int) -> int:
@@ -158,6 +179,7 @@ def summarize(engine, done, log: StepLog, elapsed: float, stats0: dict, kv: dict
         "prefetch_gb_per_step": sig(kv["kv_prefetch_bytes"] / steps / 1e9) if "kv_prefetch_bytes" in kv else None,
         "hit_rate": ratio(kv.get("kv_hits"), kv.get("kv_selected_blocks")),
         "agreement": ratio(kv.get("kv_agree_hits"), kv.get("kv_agree_total")),
+        "fill_rate": ratio(kv.get("kv_filled_blocks"), kv.get("kv_misses")),
         "draft_accuracy": ratio(engine.stats.draft_tokens_right - stats0["draft_tokens_right"],
                                 engine.stats.draft_tokens - stats0["draft_tokens"]),
         "prefetch_exposed_ms_per_step": round(1000 * kv["kv_time_prefetch_exposed_s"] / steps, 3)
