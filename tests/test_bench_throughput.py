@@ -111,6 +111,9 @@ def test_fetch_cap_sweep(tiny, tmp_path):
     assert [(r["fetch_cap"], r["mode"]) for r in rows] == [(0.25, "oasis"), (1.0, "oasis")]
     for r in rows:
         assert r["pcie_gb_per_step"] >= r["prefetch_gb_per_step"] > 0 and 0 <= r["agreement"] <= 1
+        assert r["pcie_gbps"] == pytest.approx(r["pcie_gb_per_step"] / r["decode_step_ms"] * 1000, rel=1e-3)
+        # no CUDA graphs on the CPU: every step is eager, and every prefetch is waited for on the critical path
+        assert r["eager_steps"] >= r["pure_decode_steps"] and r["prefetch_exposed_ms_per_eager_step"] > 0
     assert (tmp_path / "caps.png").stat().st_size > 10_000
 
 

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from oasiskv.bench.workload import graph_replays, kv_bytes_read, kv_deltas
+from oasiskv.bench.workload import exposed_wait, graph_replays, kv_bytes_read, kv_deltas
 from oasiskv.config import BenchConfig, EngineConfig, SamplingParams
 
 HBM_GBPS = 4200.0
@@ -150,12 +150,13 @@ def bench_one(engine, batch: int, input_len: int, output_len: int, hbm_gbps: flo
         "achieved_gbps": round(bytes_read / decode_s / 1e9, 1),
         "pcie_gb_per_step": round(pcie / steps / 1e9, 4), "pcie_gbps": round(pcie / decode_s / 1e9, 2),
         "roofline_pct": round(100 * bytes_read / decode_s / 1e9 / (hbm_gbps * ranks), 1),
-        **lookahead_columns(kv, steps, decode_s),
+        **lookahead_columns(kv, steps, decode_s, eager_steps=steps - replays),
     }
 
 
-def lookahead_columns(kv: dict, steps: int, decode_s: float) -> dict:
-    """Oasis: what the timed window prefetched, how well the prediction agreed, what stayed exposed."""
+def lookahead_columns(kv: dict, steps: int, decode_s: float, eager_steps: int) -> dict:
+    """Oasis: what the timed window prefetched, how well the prediction agreed, what stayed exposed (timed
+    in eager steps only: see workload.exposed_wait)."""
     if "kv_prefetch_bytes" not in kv:
         return {}
     ratio = lambda a, b: round(a / b, 4) if b else None  # noqa: E731
@@ -166,7 +167,7 @@ def lookahead_columns(kv: dict, steps: int, decode_s: float) -> dict:
         "hit_rate": ratio(kv["kv_hits"], kv["kv_selected_blocks"]),
         "misses_per_step": round(kv["kv_misses"] / steps, 1),
         "prefetch_ms_per_step": round(1000 * kv.get("kv_time_prefetch_s", 0) / steps, 3),
-        "prefetch_exposed_ms_per_step": round(1000 * kv.get("kv_time_prefetch_exposed_s", 0) / steps, 3),
+        **exposed_wait(kv, eager_steps),
     }
 
 
@@ -187,7 +188,7 @@ def print_table(rows: list[dict], engine) -> None:
     cols = ["mode", "batch", "context", "decode_steps", "prefill_s", "step_ms", "decode_tok_s", "bytes_per_step_gb",
             "achieved_gbps", "roofline_pct", "pcie_gb_per_step"]
     extra = [c for c in ("replay_steps", "replay_step_ms") if any(r.get("replay_steps") for r in rows)]
-    extra += [c for c in ("prefetch_gb_per_step", "agreement", "hit_rate", "prefetch_exposed_ms_per_step")
+    extra += [c for c in ("prefetch_gb_per_step", "agreement", "hit_rate", "prefetch_exposed_ms_per_eager_step")
               if any(c in r for r in rows)]
     cols += extra
     print(" ".join(f"{c:>16}" for c in cols))

@@ -182,11 +182,23 @@ def summarize(engine, done, log: StepLog, elapsed: float, stats0: dict, kv: dict
         "fill_rate": ratio(kv.get("kv_filled_blocks"), kv.get("kv_misses")),
         "draft_accuracy": ratio(engine.stats.draft_tokens_right - stats0["draft_tokens_right"],
                                 engine.stats.draft_tokens - stats0["draft_tokens"]),
-        "prefetch_exposed_ms_per_step": round(1000 * kv["kv_time_prefetch_exposed_s"] / steps, 3)
-        if "kv_time_prefetch_exposed_s" in kv else None,
+        **exposed_wait(kv, log.steps_with_decodes - log.replay_steps),
     }
     row.update(steady_state(log))
+    if row["decode_step_ms"]:  # the link's rate in the steady state, against the 55 GB/s pinned copy of DESIGN.md
+        row["pcie_gbps"] = sig(row["pcie_gb_per_step"] / row["decode_step_ms"] * 1000)
     return row
+
+
+def exposed_wait(kv: dict, eager_steps: int) -> dict:
+    """Time the compute stream waited for prefetches, per eager step. Only eager steps are timed: a step
+    replayed from a CUDA graph waits inside the graph, where no timing event is recorded, so a
+    PCIe-bound steady state shows as a replayed step time near its PCIe bytes over the link's rate
+    (`pcie_gbps`), not here."""
+    if "kv_prefetch_bytes" not in kv:  # not a prefetching mode
+        return {}
+    per_step = round(1000 * kv.get("kv_time_prefetch_exposed_s", 0.0) / eager_steps, 3) if eager_steps else None
+    return {"eager_steps": eager_steps, "prefetch_exposed_ms_per_eager_step": per_step}
 
 
 def steady_state(log: StepLog) -> dict:
