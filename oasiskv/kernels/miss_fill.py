@@ -83,7 +83,7 @@ def fill_misses(attended: torch.Tensor, selection: torch.Tensor, scores: torch.T
                            scores.stride(0), block_of.stride(0), out.stride(0),
                            K_PAD=max(2, triton.next_power_of_2(k)),
                            S_PAD=max(2, triton.next_power_of_2(block_of.shape[1])),
-                           E_PAD=max(2, triton.next_power_of_2(max(extra, 1))), num_warps=4)
+                           E_PAD=max(2, triton.next_power_of_2(max(extra, 1))), num_warps=1)
     return out, counts
 
 
