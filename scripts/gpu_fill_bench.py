@@ -1,7 +1,8 @@
-"""Time the fill kernel (kernels/miss_fill.py) alone, inside CUDA graphs as the engine runs it, and variants of it:
-its warp count, and one reduction per pass (score and block id packed into one int64 key) instead of two.
-Each variant is checked against the torch twin first. Shapes: SmolLM2 at 8K and qwen3-8b at 16K, budget 2048
-(128 selected blocks, 129 slots), at the hit rates measured (91% on SmolLM2 on real text, 28% with random weights).
+"""Time the fill kernel (kernels/miss_fill.py) alone, inside CUDA graphs as the engine runs it, at each warp count.
+Each is checked against the torch twin first. (Commit 3312226 also timed a variant with one reduction per pass,
+score and block id packed into one int64 key: at most 2 us faster a layer, not kept; docs/BENCHMARKS.md.)
+Shapes: SmolLM2 at 8K and qwen3-8b at 16K, budget 2048 (128 selected blocks, 129 slots), at the hit rates
+measured (91% on SmolLM2 on real text, 28% with random weights).
 
     PYTHONPATH=. python scripts/gpu_fill_bench.py [--json OUT.json]
 """
@@ -12,51 +13,8 @@ import json
 
 import torch
 import triton
-import triton.language as tl
 
 from oasiskv.kernels.miss_fill import _fill_kernel, fill_misses_reference
-
-NOT_FREE = -(2 ** 63)
-
-
-@triton.jit
-def _fill_packed_kernel(att_ptr, sel_ptr, score_ptr, block_of_ptr, rows_ptr, nblocks_ptr, out_ptr, count_ptr,
-                        K, E, S, s_att, s_sel, s_score, s_block_of, s_out,
-                        K_PAD: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr):
-    b = tl.program_id(0)
-    j = tl.arange(0, K_PAD)
-    sel = tl.load(sel_ptr + b * s_sel + j, mask=j < K, other=-1)
-    att = tl.load(att_ptr + b * s_att + j, mask=j < K, other=-1)
-    e = tl.arange(0, E_PAD)
-    tl.store(out_ptr + b * s_out + K + e, tl.load(att_ptr + b * s_att + K + e, mask=e < E), mask=e < E)
-    miss = (sel >= 0) & (att < 0)
-    misses = tl.sum(miss.to(tl.int32), axis=0)
-    place = tl.cumsum(miss.to(tl.int32), axis=0) - 1
-    r = tl.load(rows_ptr + b).to(tl.int64)
-    n = tl.load(nblocks_ptr + b)
-    s = tl.arange(0, S_PAD)
-    held = tl.load(block_of_ptr + r * s_block_of + s, mask=s < S, other=-1)
-    taken = tl.max(((held[:, None] == att[None, :]) & (att[None, :] >= 0)).to(tl.int32), axis=1) > 0
-    free = (held >= 0) & (held < n) & ~taken
-    score = tl.load(score_ptr + b * s_score + held, mask=free, other=float("-inf"))
-    free = free & (score > float("-inf"))
-    score = tl.where(score == 0.0, 0.0, score)  # -0.0 ties +0.0, as in the float comparison
-    bits = score.to(tl.int32, bitcast=True)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # int order = float order
-    key = (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - held).to(tl.int64)  # a tie: the lower block is larger
-    key = tl.where(free, key, -9223372036854775808)
-    out = att
-    filled = tl.zeros([K_PAD], dtype=tl.int32)
-    for i in range(misses):
-        best = tl.max(key, axis=0)
-        pick = (0x7FFFFFFF - (best & 0xFFFFFFFF)).to(tl.int32)
-        here = miss & (place == i) & (best != -9223372036854775808)
-        out = tl.where(here, pick, out)
-        filled += here.to(tl.int32)
-        key = tl.where(held == pick, -9223372036854775808, key)
-    tl.store(out_ptr + b * s_out + j, out, mask=j < K)
-    tl.store(count_ptr + b, tl.sum(filled, axis=0))
-
 
 def launch(kernel, warps, case):
     attended, selection, scores, block_of, rows, nblocks = case
@@ -119,8 +77,7 @@ def main() -> None:
     shapes = {"smollm2 8K b32, hit 91%": (32, 128, 513, 129, 0.91),
               "qwen3-8b 16K b43, hit 91%": (43, 128, 1025, 129, 0.91),
               "qwen3-8b 16K b43, hit 28%": (43, 128, 1025, 129, 0.28)}
-    variants = [("two reductions (kept)", _fill_kernel, w) for w in (1, 2, 4, 8)]
-    variants += [("packed key", _fill_packed_kernel, w) for w in (1, 2, 4)]
+    variants = [("kernel", _fill_kernel, w) for w in (1, 2, 4, 8)]
     rows = []
     for shape, dims in shapes.items():
         case = make_case(*dims, seed=0, device=device)
