@@ -92,6 +92,7 @@ def main() -> None:
     p.add_argument("--opens", action="store_true", help="count a step in which every draft opens a block")
     p.add_argument("--pairs", action="store_true", help="also list the ops of each policy function")
     p.add_argument("--layers", type=int, default=2, help="layers of the tiny model (more: per-layer ops stand out)")
+    p.add_argument("--miss-policy", default="skip", choices=("skip", "fetch", "fill"), help="oasis's misses")
     args = p.parse_args()
     torch.set_num_threads(1)
     tiny = write_tiny_config(tempfile.mkdtemp())
@@ -112,7 +113,7 @@ def main() -> None:
     for mode in args.modes.split(","):
         cfg = EngineConfig(model=tiny, load_format="dummy", show_progress=False,
                            kv=KVConfig(mode=mode, budget=64, sink_blocks=1, local_blocks=1, fetch_cap=0.5,
-                                       host_kv_gb=0.002), cache=CacheConfig(kv_cache_gb=0.002),
+                                       host_kv_gb=0.002, miss_policy=args.miss_policy), cache=CacheConfig(kv_cache_gb=0.002),
                            scheduler=SchedulerConfig(max_model_len=1024))
         engine = LLMEngine(cfg)
         g = torch.Generator().manual_seed(0)

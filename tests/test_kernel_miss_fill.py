@@ -6,9 +6,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from oasiskv.kernels.miss_fill import fill_misses, fill_misses_reference  # noqa: E402
+from oasiskv.kernels.miss_fill import FillCounters, fill_misses, fill_misses_reference  # noqa: E402
 
-from tests.kernel_device import DEV  # noqa: E402
+from tests.kernel_device import DEV, run_without_interpreter  # noqa: E402
 
 
 def brute_force(attended, selection, scores, block_of, rows, nblocks):
@@ -94,3 +94,37 @@ def test_fill_misses_rejects_bad_arguments():
         fill_misses(attended, selection, scores, block_of, rows[:1], nblocks)
     with pytest.raises(ValueError, match="block_of must be int32"):
         fill_misses(attended, selection, scores, block_of.long(), rows, nblocks)
+
+
+@pytest.mark.parametrize("fill", [fill_misses, fill_misses_reference], ids=["kernel", "torch"])
+def test_fill_misses_adds_its_counts_to_the_counter_tables(fill):
+    case = random_case(*SHAPES[3], seed=0)
+    _, want_counts = brute_force(*case)
+    gen = torch.Generator().manual_seed(5)
+    nrows = int(case[4].max()) + 2
+    row_counts = torch.randint(0, 100, (nrows, 6), generator=gen)
+    layer_counts = torch.randint(0, 100, (4, 6), generator=gen)
+    row_before, layer_before = row_counts.clone(), layer_counts.clone()
+    counters = FillCounters(row_counts.to(DEV), layer_counts.to(DEV), column=3, layer=2)
+    _, counts = fill(*(t.to(DEV) for t in case), counters)
+    assert torch.equal(counts.cpu(), want_counts) and want_counts.sum() > 0
+    row_before[case[4].long(), 3] += want_counts.long()  # rows are distinct
+    layer_before[2, 3] += want_counts.sum()
+    assert torch.equal(counters.row_counts.cpu(), row_before) and torch.equal(counters.layer_counts.cpu(), layer_before)
+
+
+def test_fill_misses_rejects_bad_counters():
+    case = random_case(2, 4, 10, 5, 1, seed=0)
+    good = torch.zeros(8, 6, dtype=torch.int64)
+    with pytest.raises(ValueError, match="counters.row_counts must be int64"):
+        fill_misses(*case, FillCounters(good.int(), good, 0, 0))
+    with pytest.raises(ValueError, match="column 6 or layer 0 is outside"):
+        fill_misses(*case, FillCounters(good, good, 6, 0))
+    with pytest.raises(ValueError, match="column 0 or layer 8 is outside"):
+        fill_misses(*case, FillCounters(good, good, 0, 8))
+
+
+def test_fill_kernel_compiles_for_the_h200():
+    """The GPU lowering (the atomics, the loop's reductions), which the interpreter does not check."""
+    run_without_interpreter("from oasiskv.kernels.miss_fill import compile_for\n"
+                            "assert compile_for(90, 129, 128).asm['cubin']\n")

@@ -12,23 +12,41 @@ For decode row b (request row r = rows[b]):
   the i-th miss of the row (in column order) takes the i-th best candidate: higher score first, the lower
   block id on a tie; candidates scored -inf are never taken, and misses past the candidates stay -1.
 Columns of `attended` past K (oasis's opened block) are copied unchanged. Returns the filled `attended` and
-the count of places filled per row.
+the count of places filled per row. With `counters`, those counts are also added to the policy's counter tables
+(row_counts[rows[b], column] and layer_counts[layer, column]) in the same launch, as the residency kernel adds its
+own: without them, each layer's counts took a chain of small launches.
 
 The kernel loops once per miss of its row, each pass a max and a min over the row's slots.
 The torch twin runs on the CPU; the tests check both against a row-by-row brute force."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["fill_misses", "fill_misses_reference"]
+from oasiskv.kernels.aot import compile_ahead
+
+__all__ = ["FillCounters", "fill_misses", "fill_misses_reference"]
+
+
+@dataclass(frozen=True)
+class FillCounters:
+    """Where fill_misses adds the places it filled: row_counts int64 [rows, counters] (a request row each),
+    layer_counts int64 [layers, counters], both in column `column`, the layer's row `layer`."""
+
+    row_counts: torch.Tensor
+    layer_counts: torch.Tensor
+    column: int
+    layer: int
 
 
 @triton.jit
 def _fill_kernel(att_ptr, sel_ptr, score_ptr, block_of_ptr, rows_ptr, nblocks_ptr, out_ptr, count_ptr,
+                 row_counts_ptr, layer_counts_ptr, column, layer, s_rc, s_lc,
                  K, E, S, s_att, s_sel, s_score, s_block_of, s_out,
-                 K_PAD: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr):
+                 K_PAD: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr, COUNT: tl.constexpr):
     b = tl.program_id(0)
     j = tl.arange(0, K_PAD)
     sel = tl.load(sel_ptr + b * s_sel + j, mask=j < K, other=-1)
@@ -60,36 +78,59 @@ def _fill_kernel(att_ptr, sel_ptr, score_ptr, block_of_ptr, rows_ptr, nblocks_pt
         filled += here.to(tl.int32)
         free = free & (held != pick)
     tl.store(out_ptr + b * s_out + j, out, mask=j < K)
-    tl.store(count_ptr + b, tl.sum(filled, axis=0))
+    total = tl.sum(filled, axis=0)
+    tl.store(count_ptr + b, total)
+    if COUNT:  # relaxed: the counters are read only after the kernel ends
+        tl.atomic_add(row_counts_ptr + r * s_rc + column, total.to(tl.int64), sem="relaxed")
+        tl.atomic_add(layer_counts_ptr + layer * s_lc + column, total.to(tl.int64), sem="relaxed")
 
 
 def fill_misses(attended: torch.Tensor, selection: torch.Tensor, scores: torch.Tensor, block_of: torch.Tensor,
-                rows: torch.Tensor, nblocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                rows: torch.Tensor, nblocks: torch.Tensor,
+                counters: FillCounters | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """attended int32 [B, K + E], selection int32 [B, K], scores fp32 [B, W] (x_t's block scores; every block
-    held below nblocks must be < W), block_of int32 [R, S] (the layer's slots per request row), rows int [B],
-    nblocks int32 [B]. Returns (attended filled, int32 [B] places filled), as the module docstring says."""
-    _check(attended, selection, scores, block_of, rows, nblocks)
+    held below nblocks must be < W), block_of int32 [R, S] (the layer's slots per request row), rows int [B]
+    (distinct), nblocks int32 [B]. Returns (attended filled, int32 [B] places filled), as the module docstring
+    says, and adds the places to `counters` if given."""
+    _check(attended, selection, scores, block_of, rows, nblocks, counters)
     if not (attended.is_cuda or type(_fill_kernel).__name__ == "InterpretedFunction"):
-        return fill_misses_reference(attended, selection, scores, block_of, rows, nblocks)
+        return fill_misses_reference(attended, selection, scores, block_of, rows, nblocks, counters)
     batch, k = selection.shape
     extra = attended.shape[1] - k
     out = torch.empty_like(attended)
-    counts = torch.zeros(batch, dtype=torch.int32, device=attended.device)
     if batch == 0 or k == 0:
         out.copy_(attended)
-        return out, counts
+        return out, torch.zeros(batch, dtype=torch.int32, device=attended.device)
+    counts = torch.empty(batch, dtype=torch.int32, device=attended.device)  # the kernel writes every row's
+    tables = (counters.row_counts, counters.layer_counts, counters.column, counters.layer,
+              counters.row_counts.stride(0), counters.layer_counts.stride(0)) if counters else (counts, counts, 0, 0, 0, 0)
     _fill_kernel[(batch,)](attended, selection, scores, block_of, rows.contiguous(), nblocks.contiguous(), out,
-                           counts, k, extra, block_of.shape[1], attended.stride(0), selection.stride(0),
-                           scores.stride(0), block_of.stride(0), out.stride(0),
-                           K_PAD=max(2, triton.next_power_of_2(k)),
-                           S_PAD=max(2, triton.next_power_of_2(block_of.shape[1])),
-                           E_PAD=max(2, triton.next_power_of_2(max(extra, 1))), num_warps=1)
+                           counts, *tables, k, extra, block_of.shape[1], attended.stride(0), selection.stride(0),
+                           scores.stride(0), block_of.stride(0), out.stride(0), COUNT=counters is not None,
+                           **_constants(k, block_of.shape[1], extra), num_warps=1)
     return out, counts
 
 
-def fill_misses_reference(attended, selection, scores, block_of, rows, nblocks) -> tuple[torch.Tensor, torch.Tensor]:
+def _constants(k: int, slots: int, extra: int) -> dict:
+    return dict(K_PAD=max(2, triton.next_power_of_2(k)), S_PAD=max(2, triton.next_power_of_2(slots)),
+                E_PAD=max(2, triton.next_power_of_2(max(extra, 1))))
+
+
+_POINTERS = {"att_ptr": "*i32", "sel_ptr": "*i32", "score_ptr": "*fp32", "block_of_ptr": "*i32", "rows_ptr": "*i64",
+             "nblocks_ptr": "*i32", "out_ptr": "*i32", "count_ptr": "*i32", "row_counts_ptr": "*i64",
+             "layer_counts_ptr": "*i64"}
+
+
+def compile_for(arch: int, slots: int, k: int):
+    """_fill_kernel compiled ahead of time (kernels/aot.py), counting, for a selection of `k` blocks, `slots`
+    working-set slots per row and oasis's one extra column."""
+    return compile_ahead(_fill_kernel, _POINTERS, dict(**_constants(k, slots, 1), COUNT=True), arch, num_warps=1)
+
+
+def fill_misses_reference(attended, selection, scores, block_of, rows, nblocks,
+                          counters: FillCounters | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch twin of fill_misses: fixed shapes, no host sync (it also runs inside a CUDA graph)."""
-    _check(attended, selection, scores, block_of, rows, nblocks)
+    _check(attended, selection, scores, block_of, rows, nblocks, counters)
     batch, k = selection.shape
     width = scores.shape[1]
     head = attended[:, :k]
@@ -106,7 +147,11 @@ def fill_misses_reference(attended, selection, scores, block_of, rows, nblocks) 
     pick = place.clamp(0, top - 1)
     filled = miss & (place < top) & torch.isfinite(best[:, :top].gather(1, pick))
     head = torch.where(filled, order.gather(1, pick).to(attended.dtype), head)
-    return torch.cat([head, attended[:, k:]], 1), filled.sum(1, dtype=torch.int32)
+    counts = filled.sum(1, dtype=torch.int32)
+    if counters:
+        counters.row_counts[:, counters.column].index_add_(0, rows.long(), counts.long())
+        counters.layer_counts[counters.layer, counters.column] += counts.sum()
+    return torch.cat([head, attended[:, k:]], 1), counts
 
 
 def _mark(blocks: torch.Tensor, width: int) -> torch.Tensor:
@@ -116,7 +161,7 @@ def _mark(blocks: torch.Tensor, width: int) -> torch.Tensor:
     return marks.scatter_(1, torch.where(inside, blocks, width), True)[:, :width]
 
 
-def _check(attended, selection, scores, block_of, rows, nblocks) -> None:
+def _check(attended, selection, scores, block_of, rows, nblocks, counters=None) -> None:
     if selection.dim() != 2 or selection.dtype != torch.int32:
         raise ValueError(f"selection must be int32 [B, K], got {selection.dtype} {tuple(selection.shape)}")
     batch, k = selection.shape
@@ -135,3 +180,15 @@ def _check(attended, selection, scores, block_of, rows, nblocks) -> None:
             raise ValueError(f"{name} is on {t.device}, attended on {attended.device}")
     if attended.stride(1) != 1 or selection.stride(1) != 1 or scores.stride(1) != 1 or block_of.stride(1) != 1:
         raise ValueError("attended, selection, scores and block_of must be contiguous along their last dimension")
+    if counters is not None:
+        _check_counters(counters, attended.device)
+
+
+def _check_counters(c: FillCounters, device: torch.device) -> None:
+    for name, table in (("row_counts", c.row_counts), ("layer_counts", c.layer_counts)):
+        if table.dim() != 2 or table.dtype != torch.int64 or table.stride(1) != 1 or table.device != device:
+            raise ValueError(f"counters.{name} must be int64 [n, counters], contiguous in its last dimension, on "
+                             f"{device}; got {table.dtype} {tuple(table.shape)} on {table.device}")
+    if not (0 <= c.column < c.row_counts.shape[1] and c.column < c.layer_counts.shape[1]
+            and 0 <= c.layer < c.layer_counts.shape[0]):
+        raise ValueError(f"counters: column {c.column} or layer {c.layer} is outside the tables")

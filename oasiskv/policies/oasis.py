@@ -28,7 +28,7 @@ import torch
 
 from oasiskv.kernels.block_topk import predict_prefetch, predict_prefetch_reference
 from oasiskv.kernels.draft_kv import DraftWrite, write_draft_kv, write_draft_kv_reference
-from oasiskv.kernels.miss_fill import fill_misses, fill_misses_reference
+from oasiskv.kernels.miss_fill import FillCounters, fill_misses, fill_misses_reference
 from oasiskv.kernels.residency import COUNTERS as RESIDENCY_COUNTERS
 from oasiskv.kernels.residency import resident_selection, resident_selection_reference
 from oasiskv.kernels.paged_decode import paged_decode_attention, paged_decode_reference
@@ -337,9 +337,9 @@ class OasisPolicy(TieredPolicy):
         attended, selection, scores, draft_scores = self.check_residency(layer, q, dense, draft)
         if self.fills(dense):
             fill = fill_misses if self.cuda else fill_misses_reference
-            attended, filled = fill(attended, selection, scores, self.ws.block_of[layer], self.rows,
-                                    self.rows_now.nblocks)
-            self.count("filled_blocks", filled)
+            counters = FillCounters(self.row_counts[0], self.layer_counts[0], self.counter_index["filled_blocks"], layer)
+            attended, _ = fill(attended, selection, scores, self.ws.block_of[layer], self.rows, self.rows_now.nblocks,
+                               counters)
         return attended, draft_scores
 
     def check_residency(self, layer, q, dense, draft: DraftWrite | None):
