@@ -1,8 +1,9 @@
-"""Time the fill kernel (kernels/miss_fill.py) alone, inside CUDA graphs as the engine runs it, at each warp count.
-Each is checked against the torch twin first. (Commit 3312226 also timed a variant with one reduction per pass,
-score and block id packed into one int64 key: at most 2 us faster a layer, not kept; docs/BENCHMARKS.md.)
-Shapes: SmolLM2 at 8K and qwen3-8b at 16K, budget 2048 (128 selected blocks, 129 slots), at the hit rates
-measured (91% on SmolLM2 on real text, 28% with random weights).
+"""Time the fill kernel (kernels/miss_fill.py) alone, inside CUDA graphs as the engine runs it (36 launches of
+fill_misses in one graph, no counters), at each warp count. Each is checked against the torch twin first.
+Commit 3312226 also timed a variant with one reduction per pass, score and block id packed into one int64 key:
+at most 2 us faster a layer, not kept (docs/BENCHMARKS.md). Shapes: SmolLM2 at 8K and qwen3-8b at 16K, budget
+2048 (128 selected blocks, 129 slots), at the hit rates measured (91% on SmolLM2 on real text, 28% with random
+weights).
 
     PYTHONPATH=. python scripts/gpu_fill_bench.py [--json OUT.json]
 """
@@ -12,20 +13,8 @@ import argparse
 import json
 
 import torch
-import triton
 
-from oasiskv.kernels.miss_fill import _fill_kernel, fill_misses_reference
-
-def launch(kernel, warps, case):
-    attended, selection, scores, block_of, rows, nblocks = case
-    batch, k = selection.shape
-    out = torch.empty_like(attended)
-    counts = torch.zeros(batch, dtype=torch.int32, device=attended.device)
-    kernel[(batch,)](attended, selection, scores, block_of, rows, nblocks, out, counts, k, attended.shape[1] - k,
-                     block_of.shape[1], attended.stride(0), selection.stride(0), scores.stride(0), block_of.stride(0),
-                     out.stride(0), K_PAD=triton.next_power_of_2(k), S_PAD=triton.next_power_of_2(block_of.shape[1]),
-                     E_PAD=2, num_warps=warps)
-    return out, counts
+from oasiskv.kernels.miss_fill import fill_misses, fill_misses_reference
 
 
 def make_case(batch, k, width, slots, hit_rate, seed, device):
@@ -43,7 +32,7 @@ def make_case(batch, k, width, slots, hit_rate, seed, device):
         held = torch.cat([selection[b][hit], spare.int()])
         block_of[b, :len(held)] = held[torch.randperm(len(held), generator=gen)]
         attended[b, :k] = torch.where(hit, selection[b], -1)
-    rows = torch.arange(batch, dtype=torch.int32)
+    rows = torch.arange(batch)  # int64, as the policy's
     nblocks = torch.full((batch,), width, dtype=torch.int32)
     return [t.to(device) for t in (attended, selection, scores, block_of, rows, nblocks)]
 
@@ -77,19 +66,18 @@ def main() -> None:
     shapes = {"smollm2 8K b32, hit 91%": (32, 128, 513, 129, 0.91),
               "qwen3-8b 16K b43, hit 91%": (43, 128, 1025, 129, 0.91),
               "qwen3-8b 16K b43, hit 28%": (43, 128, 1025, 129, 0.28)}
-    variants = [("kernel", _fill_kernel, w) for w in (1, 2, 4, 8)]
     rows = []
     for shape, dims in shapes.items():
         case = make_case(*dims, seed=0, device=device)
         want, want_counts = fill_misses_reference(*case)
         misses = int(((case[1] >= 0) & (case[0][:, :-1] < 0)).sum()) / dims[0]
-        for name, kernel, warps in variants:
-            got, counts = launch(kernel, warps, case)
+        for warps in (1, 2, 4, 8):
+            got, counts = fill_misses(*case, num_warps=warps)
             ok = torch.equal(got, want) and torch.equal(counts, want_counts)
-            us = graph_us(lambda: launch(kernel, warps, case))
-            rows.append({"shape": shape, "misses_per_row": round(misses, 1), "variant": name, "num_warps": warps,
+            us = graph_us(lambda: fill_misses(*case, num_warps=warps))
+            rows.append({"shape": shape, "misses_per_row": round(misses, 1), "num_warps": warps,
                          "equal_to_twin": ok, "us_per_layer": round(us, 2)})
-            print(f"{shape:28s} misses/row {misses:5.1f}  {name:22s} warps {warps}  equal {ok}  {us:7.2f} us")
+            print(f"{shape:28s} misses/row {misses:5.1f}  warps {warps}  equal {ok}  {us:7.2f} us")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

@@ -86,12 +86,13 @@ def _fill_kernel(att_ptr, sel_ptr, score_ptr, block_of_ptr, rows_ptr, nblocks_pt
 
 
 def fill_misses(attended: torch.Tensor, selection: torch.Tensor, scores: torch.Tensor, block_of: torch.Tensor,
-                rows: torch.Tensor, nblocks: torch.Tensor,
-                counters: FillCounters | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                rows: torch.Tensor, nblocks: torch.Tensor, counters: FillCounters | None = None,
+                num_warps: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """attended int32 [B, K + E], selection int32 [B, K], scores fp32 [B, W] (x_t's block scores; every block
     held below nblocks must be < W), block_of int32 [R, S] (the layer's slots per request row), rows int [B]
     (distinct), nblocks int32 [B]. Returns (attended filled, int32 [B] places filled), as the module docstring
-    says, and adds the places to `counters` if given."""
+    says, and adds the places to `counters` if given. One warp measured fastest on the H200
+    (scripts/gpu_fill_bench.py, which times the others through `num_warps`)."""
     _check(attended, selection, scores, block_of, rows, nblocks, counters)
     if not (attended.is_cuda or type(_fill_kernel).__name__ == "InterpretedFunction"):
         return fill_misses_reference(attended, selection, scores, block_of, rows, nblocks, counters)
@@ -102,12 +103,13 @@ def fill_misses(attended: torch.Tensor, selection: torch.Tensor, scores: torch.T
         out.copy_(attended)
         return out, torch.zeros(batch, dtype=torch.int32, device=attended.device)
     counts = torch.empty(batch, dtype=torch.int32, device=attended.device)  # the kernel writes every row's
+    # without counters, COUNT=False compiles the atomics out and the table arguments are never read
     tables = (counters.row_counts, counters.layer_counts, counters.column, counters.layer,
               counters.row_counts.stride(0), counters.layer_counts.stride(0)) if counters else (counts, counts, 0, 0, 0, 0)
     _fill_kernel[(batch,)](attended, selection, scores, block_of, rows.contiguous(), nblocks.contiguous(), out,
                            counts, *tables, k, extra, block_of.shape[1], attended.stride(0), selection.stride(0),
                            scores.stride(0), block_of.stride(0), out.stride(0), COUNT=counters is not None,
-                           **_constants(k, block_of.shape[1], extra), num_warps=1)
+                           **_constants(k, block_of.shape[1], extra), num_warps=num_warps)
     return out, counts
 
 
