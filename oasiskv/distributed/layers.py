@@ -1,5 +1,5 @@
 """Parallel layers. Column-parallel linears need no layer of their own: each rank keeps a slice of
-the output rows in a plain nn.Linear. Row-parallel linears sum their partial outputs over ranks;
+the output rows in a plain Linear. Row-parallel linears sum their partial outputs over ranks;
 the vocabulary is split into equal ranges (the last padded with zero rows) for the embedding, whose
 partial lookups are summed, and the LM head, whose logits are gathered."""
 from __future__ import annotations
@@ -9,13 +9,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from oasiskv.models.linear import linear
+
 
 class RowParallelLinear(nn.Linear):
     """Input columns split across ranks: y = all_reduce(x_local @ W_local^T). No bias (it would be
     added once per rank)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = linear(x, self.weight)
         dist.all_reduce(out)
         return out
 
@@ -45,7 +47,7 @@ class VocabParallelHead(nn.Module):
         self.weight, self.vocab_size = weight, vocab_size  # may be the embedding's (tied) parameter
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight)
+        local = linear(hidden, self.weight)
         parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, local)
         return torch.cat(parts, dim=-1)[..., : self.vocab_size]

@@ -13,6 +13,7 @@ from torch import nn
 
 from oasiskv.config import ModelConfig
 from oasiskv.distributed.layers import RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
+from oasiskv.models.linear import Linear
 from oasiskv.models.llama import CausalLM
 
 
@@ -96,7 +97,7 @@ def rows_of(heads: range, head_dim: int) -> torch.Tensor:
 def column_slice(linear: nn.Linear, rows: torch.Tensor) -> nn.Linear:
     """Output rows `rows` of a linear layer (a column-parallel shard)."""
     w = linear.weight
-    out = nn.Linear(w.shape[1], len(rows), bias=linear.bias is not None, device=w.device, dtype=w.dtype)
+    out = Linear(w.shape[1], len(rows), bias=linear.bias is not None, device=w.device, dtype=w.dtype)
     out.weight.data = w[rows.to(w.device)].clone()
     if linear.bias is not None:
         out.bias.data = linear.bias[rows.to(w.device)].clone()

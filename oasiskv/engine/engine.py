@@ -78,6 +78,9 @@ class LLMEngine:
         if self.tp:
             rank = shard_for_rank(self.model, cache_cfg, kv_cfg, self.tp, self.device)
             kv_model_config, cache_cfg, kv_cfg = rank.kv_model_config, rank.cache, rank.kv
+        self.model.fuse_projections()  # before the KV pool takes the free memory: fusing copies a layer at a time
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
         gpu_cache = cache_cfg
         if config.kv.offloaded:  # --num-kv-blocks then sizes the host store; the GPU keeps its default
             gpu_cache = dataclasses.replace(gpu_cache, num_kv_blocks=None)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from oasiskv.config import ModelConfig
+from oasiskv.models.linear import Linear
 from oasiskv.models.llama import MLP, Attention, AttentionBackend, CausalLM, RMSNorm, Rotary, rope_inv_freq
 
 EAGLE_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -115,7 +116,7 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.self_attn = Attention(dataclasses.replace(cfg, hidden_size=2 * h), layer=0)
-        self.self_attn.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=False)  # back to H, not 2H
+        self.self_attn.o_proj = Linear(cfg.num_heads * cfg.head_dim, h, bias=False)  # back to H, not 2H
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -135,10 +136,10 @@ class Eagle3Head(nn.Module):
         super().__init__()
         self.config = cfg
         h = cfg.hidden_size
-        self.fc = nn.Linear(3 * cfg.target_hidden_size, h, bias=cfg.fc_bias)
+        self.fc = Linear(3 * cfg.target_hidden_size, h, bias=cfg.fc_bias)
         self.midlayer = DraftLayer(cfg.layer, cfg.norm_before_residual)
         self.norm = RMSNorm(h, cfg.layer.rms_norm_eps)
-        self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+        self.lm_head = Linear(h, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.rotary = Rotary(cfg.layer)
         self.embed_tokens = nn.Embedding(cfg.layer.vocab_size, h) if own_embedding else None

@@ -16,6 +16,7 @@ from torch import nn
 from oasiskv.config import ModelConfig
 from oasiskv.kernels.rms_norm import rms_norm, rms_norm_reference
 from oasiskv.kernels.rotary import apply_rotary_qk, apply_rotary_qk_reference
+from oasiskv.models.linear import FusedLinears, Linear, linear
 
 
 class AttentionBackend(Protocol):
@@ -82,21 +83,35 @@ class Attention(nn.Module):
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        self.q_proj = Linear(h, cfg.num_heads * d, bias=cfg.attention_bias)
+        self.k_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = Linear(cfg.num_heads * d, h, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv: FusedLinears | None = None  # set by fuse()
+
+    def fuse(self) -> None:
+        """q, k and v in one matmul from now on (see FusedLinears)."""
+        if self.qkv is None or not self.qkv.backs(self.projections()):
+            self.qkv = FusedLinears(self.projections())
+
+    def projections(self) -> list[nn.Linear]:
+        return [self.q_proj, self.k_proj, self.v_proj]
 
     def forward(self, x, cos, sin, backend: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv is not None and self.qkv.backs(self.projections()):
+            q, k, v = self.qkv(x)
+            v = v.contiguous()  # a column view of the product; k and q leave the norm and rotary contiguous
+        else:
+            q, k, v = (proj(x) for proj in self.projections())
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         # One Triton launch for q and k on the GPU (bit for bit the torch ops); the torch ops on the
@@ -113,12 +128,22 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up: FusedLinears | None = None  # set by fuse()
+
+    def fuse(self) -> None:
+        """gate and up in one matmul from now on (see FusedLinears)."""
+        if self.gate_up is None or not self.gate_up.backs([self.gate_proj, self.up_proj]):
+            self.gate_up = FusedLinears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is not None and self.gate_up.backs([self.gate_proj, self.up_proj]):
+            gate, up = self.gate_up(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -151,7 +176,7 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.model = Backbone(cfg)
         self.rotary = Rotary(cfg)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(
         self,
@@ -171,7 +196,14 @@ class CausalLM(nn.Module):
                 captured.append(x)
         return self.model.norm(x), captured
 
+    def fuse_projections(self) -> None:
+        """One matmul for q/k/v and one for gate/up in every layer (inference; once the weights are loaded,
+        sharded and on their device). Safe to call again."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied (tensor parallelism replaces lm_head by a vocab-parallel head)
-            return F.linear(hidden, self.model.embed_tokens.weight).float()
+            return linear(hidden, self.model.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
