@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from oasiskv.models.linear import THIN_ROWS, FusedLinears, Linear, linear
+from oasiskv.models.linear import FUSED_MAX_ROWS, THIN_ROWS, FusedLinears, Linear, linear
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, THIN_ROWS, THIN_ROWS + 1])
@@ -14,9 +14,11 @@ def test_linear_equals_f_linear(rows, bias):
     gen = torch.Generator().manual_seed(rows)
     x, w = torch.randn(rows, 96, generator=gen), torch.randn(200, 96, generator=gen)
     b = torch.randn(200, generator=gen) if bias else None
-    out = linear(x, w, b)
+    with torch.no_grad():  # inference: the thin path
+        out = linear(x, w, b)
     assert out.shape == (rows, 200) and out.is_contiguous()
     torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert torch.equal(linear(x, w, b), F.linear(x, w, b))  # training keeps F.linear, bit for bit
 
 
 @pytest.mark.parametrize("x", [torch.randn(3, 4, 96), torch.randn(96), torch.randn(4, 96, dtype=torch.float64)])
@@ -44,13 +46,14 @@ def test_fused_linears_equal_the_separate_ones_and_hold_no_second_copy():
     x = torch.randn(5, 64, generator=gen)
     expected = [layer(x) for layer in layers]
     fused = FusedLinears(layers)
-    for got, want in zip(fused(x), expected):
+    for got, want in zip(fused.outputs(x, layers), expected):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     storage = fused.weight.untyped_storage().data_ptr()
     assert all(layer.weight.untyped_storage().data_ptr() == storage for layer in layers)
     assert fused.backs(layers)
+    assert fused.outputs(torch.randn(FUSED_MAX_ROWS + 1, 64), layers) is None  # prefill-sized: the caller's
     layers[1] = torch.nn.Linear(64, 32)  # a module replaced (e.g. sharded) after the fusion
-    assert not fused.backs(layers)
+    assert not fused.backs(layers) and fused.outputs(x, layers) is None
 
 
 def test_fused_linears_stop_backing_moved_weights_and_refuse_mixed_biases():
@@ -68,16 +71,17 @@ CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("bias", [False, True])
-def test_fused_model_gives_the_unfused_logits(bias, device):
+@pytest.mark.parametrize("tokens", [6, FUSED_MAX_ROWS + 4])  # decode-sized (fused) and prefill-sized (apart)
+def test_fused_model_gives_the_unfused_logits(bias, device, tokens):
     from oasiskv.config import ModelConfig
     from oasiskv.models.llama import CausalLM
     cfg = ModelConfig(model_type="qwen2", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
-                      rope_scaling=None, max_position_embeddings=64, tie_word_embeddings=not bias,
+                      rope_scaling=None, max_position_embeddings=512, tie_word_embeddings=not bias,
                       attention_bias=bias, qk_norm=not bias, eos_token_ids=(0,), bos_token_id=None)
     torch.manual_seed(0)
     model = CausalLM(cfg).eval().to(device)  # on the GPU, the norm and rotary kernels read q and k as views
-    ids, positions = torch.randint(0, 97, (6,), device=device), torch.arange(6, device=device)
+    ids, positions = torch.randint(0, 97, (tokens,), device=device), torch.arange(tokens, device=device)
 
     class Causal:  # plain causal attention over the step's own tokens: enough to compare two forwards
         def attend(self, layer, q, k, v):

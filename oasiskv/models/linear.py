@@ -13,11 +13,18 @@ import torch.nn.functional as F
 from torch import nn
 
 THIN_ROWS = 64  # above this, measured no faster on the CPU
+# Up to this many rows a bf16 matmul on the H200 is bound by the weights it reads (989 TFLOP/s over 4.8 TB/s is
+# about 200 FLOP a byte; each row does 1): fusing saves launches and bandwidth there. Above, in prefill, the
+# matmuls are bound by arithmetic, and one fused product would only raise the activation peak.
+FUSED_MAX_ROWS = 256
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), computed as (weight @ xᵀ)ᵀ where that is faster (see the module's note)."""
-    if x.dim() != 2 or x.device.type != "cpu" or x.dtype != torch.float32 or not 1 < x.shape[0] <= THIN_ROWS:
+    """F.linear(x, weight, bias), computed as (weight @ xᵀ)ᵀ where that is faster (see the module's note).
+    Training (grad enabled) keeps F.linear: a resumed run must repeat an uninterrupted one bit for bit, and the
+    transposed product's rounding is not reproducible there (tests/test_train_draft.py saw a 2e-7 drift)."""
+    if (x.dim() != 2 or x.device.type != "cpu" or x.dtype != torch.float32 or not 1 < x.shape[0] <= THIN_ROWS
+            or torch.is_grad_enabled()):
         return F.linear(x, weight, bias)
     out = torch.mm(weight, x.t()).t().contiguous()
     return out if bias is None else out + bias
@@ -61,6 +68,9 @@ class FusedLinears:
                 and linears[0].weight.data_ptr() == self.weight.data_ptr()
                 and linears[-1].weight.dtype == self.weight.dtype)
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Each linear's output, as column views of one product."""
-        return linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+    def outputs(self, x: torch.Tensor, linears: list[nn.Linear]) -> tuple[torch.Tensor, ...] | None:
+        """Each linear's output for x [T, in], as column views of one product; None where the caller should run
+        the linears one by one: above FUSED_MAX_ROWS rows (prefill), or if these are no longer the fused ones."""
+        if x.shape[0] <= FUSED_MAX_ROWS and self.backs(linears):
+            return linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return None

@@ -104,11 +104,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, backend: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
-        if self.qkv is not None and self.qkv.backs(self.projections()):
-            q, k, v = self.qkv(x)
-            v = v.contiguous()  # a column view of the product; k and q leave the norm and rotary contiguous
-        else:
-            q, k, v = (proj(x) for proj in self.projections())
+        projections = self.projections()
+        fused = self.qkv.outputs(x, projections) if self.qkv else None
+        q, k, v = fused or (proj(x) for proj in projections)
+        v = v.contiguous()  # fused, a column view of the product; q and k leave the norm and rotary contiguous
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -139,10 +138,10 @@ class MLP(nn.Module):
             self.gate_up = FusedLinears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is not None and self.gate_up.backs([self.gate_proj, self.up_proj]):
-            gate, up = self.gate_up(x)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+        fused = self.gate_up.outputs(x, [self.gate_proj, self.up_proj]) if self.gate_up else None
+        if fused is None:  # in this order, gate's output is freed before up's is made: prefill's activation peak
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = fused
         return self.down_proj(F.silu(gate) * up)
 
 
