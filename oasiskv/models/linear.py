@@ -1,4 +1,5 @@
-"""nn.Linear with a faster path for thin fp32 products on the CPU.
+"""The model's linear layers: a faster path for thin fp32 products on the CPU (`linear`, `Linear`), and linears
+that read the same input fused into one matmul for decode (`FusedLinears`).
 
 MKL computes x @ weightᵀ for an x of a few rows (decode: one or two tokens per request) with a kernel that
 streams the weight at about 4 GB/s on a 2-core AVX-512 machine; weight @ xᵀ, the same product, streams it
@@ -13,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 THIN_ROWS = 64  # above this, measured no faster on the CPU
-# Up to this many rows a bf16 matmul on the H200 is bound by the weights it reads (989 TFLOP/s over 4.8 TB/s is
-# about 200 FLOP a byte; each row does 1): fusing saves launches and bandwidth there. Above, in prefill, the
+# Up to this many rows a bf16 matmul on the H200 is bound by the weights it reads (the datasheet's 989 TFLOP/s over
+# 4.8 TB/s is about 200 FLOP a byte; each row does 1): fusing saves launches and bandwidth there. Above, in prefill, the
 # matmuls are bound by arithmetic, and one fused product would only raise the activation peak.
 FUSED_MAX_ROWS = 256
 
