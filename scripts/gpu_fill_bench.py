@@ -3,7 +3,8 @@ fill_misses in one graph, no counters), at each warp count. Each is checked agai
 Commit 3312226 also timed a variant with one reduction per pass, score and block id packed into one int64 key:
 at most 2 us faster a layer, not kept (docs/BENCHMARKS.md). Shapes: SmolLM2 at 8K and qwen3-8b at 16K, budget
 2048 (128 selected blocks, 129 slots), at the hit rates measured (91% on SmolLM2 on real text, 28% with random
-weights).
+weights). Timed by gpu_select_bench's per_call_us (the median of 20 replays); the numbers in docs/BENCHMARKS.md
+came from the versions at 3312226 and 473c9e7, which took the mean.
 
     PYTHONPATH=. python scripts/gpu_fill_bench.py [--json OUT.json]
 """
@@ -15,6 +16,7 @@ import json
 import torch
 
 from oasiskv.kernels.miss_fill import fill_misses, fill_misses_reference
+from scripts.gpu_select_bench import per_call_us
 
 
 def make_case(batch, k, width, slots, hit_rate, seed, device):
@@ -37,27 +39,6 @@ def make_case(batch, k, width, slots, hit_rate, seed, device):
     return [t.to(device) for t in (attended, selection, scores, block_of, rows, nblocks)]
 
 
-def graph_us(fn, calls=36, reps=20) -> float:
-    """Microseconds per call, replayed from a CUDA graph of `calls` calls (one step's layers)."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1000 * start.elapsed_time(end) / (reps * calls)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
@@ -74,7 +55,7 @@ def main() -> None:
         for warps in (1, 2, 4, 8):
             got, counts = fill_misses(*case, num_warps=warps)
             ok = torch.equal(got, want) and torch.equal(counts, want_counts)
-            us = graph_us(lambda: fill_misses(*case, num_warps=warps))
+            us = per_call_us(lambda: fill_misses(*case, num_warps=warps), calls=36, repeats=20)
             rows.append({"shape": shape, "misses_per_row": round(misses, 1), "num_warps": warps,
                          "equal_to_twin": ok, "us_per_layer": round(us, 2)})
             print(f"{shape:28s} misses/row {misses:5.1f}  warps {warps}  equal {ok}  {us:7.2f} us")

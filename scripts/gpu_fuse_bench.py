@@ -1,6 +1,7 @@
 """What fusing q/k/v and gate/up (models/linear.py's FusedLinears) does to qwen3-8b's forward on the GPU, attention
 left out (a backend that returns q), random weights, bf16: decode-sized batches replayed from CUDA graphs, and a
-16K prefill run eagerly, with and without the fusion, alternating rounds. Prefill is also timed fused (the engine
+16K prefill run eagerly, with and without the fusion, alternating rounds. (The numbers in docs/BENCHMARKS.md came
+from e73bace, which timed the mean of 20 replays; it now takes gpu_select_bench's median.) Prefill is also timed fused (the engine
 does not fuse above FUSED_MAX_ROWS rows) to show why, with its activation peak.
 
     PYTHONPATH=. python scripts/gpu_fuse_bench.py [--model qwen3-8b] [--rows 23,43,86] [--prefill 16384] [--json F]
@@ -15,6 +16,7 @@ import torch
 
 from oasiskv.models import linear as linear_module
 from oasiskv.models.loader import load_model
+from scripts.gpu_select_bench import per_call_us
 
 
 class NoAttention:
@@ -27,26 +29,12 @@ def unfuse(model) -> None:
         layer.self_attn.qkv = layer.mlp.gate_up = None
 
 
-def graph_ms(model, rows: int, replays: int = 20) -> float:
+def graph_ms(model, rows: int) -> float:
+    """One decode-sized forward replayed from a CUDA graph: the median of 20 replays."""
     ids = torch.randint(0, 1000, (rows,), device="cuda")
     positions = torch.arange(rows, device="cuda") + 16384
     backend = NoAttention()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            model(ids, positions, backend)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        model(ids, positions, backend)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays
+    return per_call_us(lambda: model(ids, positions, backend), calls=1, repeats=20) / 1000
 
 
 def prefill_ms(model, tokens: int) -> tuple[float, float]:

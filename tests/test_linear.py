@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from oasiskv.models.linear import FUSED_MAX_ROWS, THIN_ROWS, FusedLinears, Linear, linear
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, THIN_ROWS, THIN_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 2, 3, THIN_ROWS, THIN_ROWS + 1, 64])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_equals_f_linear(rows, bias):
     gen = torch.Generator().manual_seed(rows)

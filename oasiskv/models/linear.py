@@ -1,11 +1,11 @@
 """The model's linear layers: a faster path for thin fp32 products on the CPU (`linear`, `Linear`), and linears
 that read the same input fused into one matmul for decode (`FusedLinears`).
 
-MKL computes x @ weightᵀ for an x of a few rows (decode: one or two tokens per request) with a kernel that
-streams the weight at about 4 GB/s on a 2-core AVX-512 machine; weight @ xᵀ, the same product, streams it
-at 17-25 GB/s there (SmolLM2's tied 49152 x 576 head, 2 rows: 27.9 against 4.4 ms). Both are fp32 dot
-products over the same inputs; only the order of the partial sums differs. Elsewhere (GPU, other dtypes,
-one row, wide x) F.linear is as fast or faster and runs as it is.
+MKL computes x @ weightᵀ for an x of 2 to 8 rows (decode: a few tokens) with a kernel that streams the weight
+at 3-6 GB/s on a 2-core AVX-512 machine; weight @ xᵀ, the same product, streams it at 11-23 GB/s there
+(SmolLM2's tied 49152 x 576 head, 2 rows: 28.1 against 6.1 ms; scripts/cpu_linear_bench.py). Both are fp32
+dot products over the same inputs; only the order of the partial sums differs. Elsewhere (GPU, other dtypes,
+one row, more than 8 rows) F.linear is as fast or faster and runs as it is.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-THIN_ROWS = 64  # above this, measured no faster on the CPU
+THIN_ROWS = 8  # 2-8 rows: 1.5-7x faster; from 12 rows on, no faster or slower (scripts/cpu_linear_bench.py)
 # Up to this many rows a bf16 matmul on the H200 is bound by the weights it reads (the datasheet's 989 TFLOP/s over
 # 4.8 TB/s is about 200 FLOP a byte; each row does 1): fusing saves launches and bandwidth there. Above, in prefill, the
 # matmuls are bound by arithmetic, and one fused product would only raise the activation peak.
