@@ -69,3 +69,30 @@ def plot_fetch_cap(result: dict, path: str) -> None:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     save(fig, path)
+
+
+def plot_output_len(result: dict, path: str) -> None:
+    """Output tok/s per mode against output length, and each mode's output and decode ratio to dense."""
+    rows = result["rows"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), sharex=True)
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        pts = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["output_len"])
+        xs = [r["output_len"] for r in pts]
+        line, = axes[0].plot(xs, [r["output_tok_s"] for r in pts], marker="o", label=mode)
+        if mode == "dense":
+            continue
+        ratio = [(x, r["output_vs_dense"]) for x, r in zip(xs, pts) if r.get("output_vs_dense") is not None]
+        decode = [(x, r["decode_vs_dense"]) for x, r in zip(xs, pts) if r.get("decode_vs_dense") is not None]
+        if ratio:
+            axes[1].plot(*zip(*ratio), marker="o", color=line.get_color(), label=f"{mode}: output")
+        if decode:
+            axes[1].plot(*zip(*decode), marker="x", linestyle="--", color=line.get_color(), label=f"{mode}: decode")
+    axes[0].set_ylabel("output tok/s (whole run, prefill included)")
+    axes[1].set_ylabel("throughput / dense's")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(f"output tokens per request ({result['input_len']} in)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{result['model']}: every mode at the concurrency it holds")
+    save(fig, path)
