@@ -86,7 +86,8 @@ class OasisPolicy(TieredPolicy):
     TAIL_LANE = 2
     PREDICT_GROUP = 6  # consecutive layers predicted together: fewer, larger kernels on the copy stream
     # GPU programs that copy the prefetched blocks (0: one per block). A copy waits on PCIe, not on the
-    # SMs: a few programs keep the link busy and leave the other SMs to the compute stream.
+    # SMs: a few programs keep the link busy and leave the other SMs to the compute stream. H200, qwen3-8b,
+    # 43 x 16K: 4, 8, 16, 32 programs gave 20.1, 14.8, 13.85, 13.9 ms a step (docs/BENCHMARKS.md, 2026-12-03).
     PREFETCH_PROGRAMS = 16
     # in a captured step, the prediction of the groups that end in the last TAIL_LAYERS layers runs after the
     # step (capture_tail), so the step's graph need not wait for their copies (0: none deferred). H200, qwen3-8b
