@@ -1,0 +1,314 @@
+"""Would a finer block selection reach #7's 99% top-1 agreement? A transformers twin, outside the engine.
+
+The engine selects 16-token blocks, one selection per request and layer (the best head of each KV group,
+summed over groups). Its kernels, pool and host store are built for that, so finer rules cannot be tried
+in it cheaply. This script tries them in transformers' own Llama code: a custom attention function makes
+the teacher-forced query rows attend only to the blocks a rule selects, at any block size, with one
+selection per layer or one per KV head.
+
+A rule scores blocks by Quest's upper bound over per-block key min/max (`bound`) or by the attention mass
+the query pays them (`oracle`), keeps the sink (the first 16 tokens), the local window (the last 64,
+with the query's own block) and the best remaining blocks up to the budget. As in the engine's teacher
+forcing, the window's prefix is prefilled densely and the scored rows are sparse at every layer: one
+forward of the scored rows equals one decode step per row, because row t depends only on rows before it.
+
+    OASISKV_EVAL_CACHE=.carry/eval-cache python scripts/selection_twin.py --context 8192 --windows 4 \
+        --scored 64 --budget 2048 --block-sizes 4,8,16,32 --json twin.json
+    python scripts/selection_twin.py --join twin_b*.json --plot twin.png     # a table and plot over budgets
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+sys.path.insert(0, ".")
+from scripts.top1_flips import dense_gaps  # noqa: E402
+
+SINK_TOKENS, LOCAL_TOKENS = 16, 64  # the engine's defaults: 1 sink and 4 local blocks of 16 tokens
+ATTENTION_NAME = "oasiskv_selection_twin"
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """How the scored rows select their keys; None (the module's `active`) means dense."""
+
+    score: str  # "bound" (Quest) or "oracle" (exact attention mass)
+    block: int  # tokens per block
+    per_kv_head: bool  # one selection per KV head, else one per layer
+    budget: int  # tokens attended per row and layer (per KV head with per_kv_head)
+
+    @property
+    def label(self) -> str:
+        return f"{self.score} block {self.block}" + (" per KV head" if self.per_kv_head else "")
+
+
+active: Rule | None = None  # the rule of the scored pass now running; the prefix pass is always dense
+
+
+def block_summaries(keys: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys [Hkv, S, D] -> per-block min and max [Hkv, NB, D]; the last block may be partial."""
+    hkv, s, d = keys.shape
+    nb = -(-s // block)
+    pad = nb * block - s
+    lo = torch.nn.functional.pad(keys, (0, 0, 0, pad), value=float("inf")).view(hkv, nb, block, d).amin(2)
+    hi = torch.nn.functional.pad(keys, (0, 0, 0, pad), value=float("-inf")).view(hkv, nb, block, d).amax(2)
+    return lo, hi
+
+
+def head_scores(rule: Rule, q: torch.Tensor, keys: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Per query head, row and block: [Hq, Sq, NB]. q [Hq, Sq, D]; keys [Hkv, S, D]; probs [Hq, Sq, S]."""
+    hq, hkv = q.shape[0], keys.shape[0]
+    if rule.score == "oracle":
+        nb = -(-keys.shape[1] // rule.block)
+        pad = nb * rule.block - keys.shape[1]
+        return torch.nn.functional.pad(probs, (0, pad)).view(hq, q.shape[1], nb, rule.block).sum(-1)
+    lo, hi = block_summaries(keys, rule.block)
+    lo, hi = lo.repeat_interleave(hq // hkv, 0), hi.repeat_interleave(hq // hkv, 0)
+    # sum_d max(q*lo, q*hi) = relu(q).hi + min(q, 0).lo, as lo <= hi
+    return q.clamp(min=0) @ hi.transpose(1, 2) + q.clamp(max=0) @ lo.transpose(1, 2)
+
+
+def selected_keys(rule: Rule, scores: torch.Tensor, num_keys: int, first_pos: int) -> torch.Tensor:
+    """scores [X, Sq, NB] (X = 1, or KV heads) -> bool [X, Sq, num_keys]: the keys each row attends to.
+    Row i sits at position first_pos + i and sees keys 0 .. first_pos + i."""
+    x, sq, nb = scores.shape
+    dev = scores.device
+    seen = torch.arange(sq, device=dev) + first_pos + 1  # keys each row sees
+    blocks_seen = -(-seen // rule.block)
+    j = torch.arange(nb, device=dev)
+    sink = -(-SINK_TOKENS // rule.block)
+    local = -(-LOCAL_TOKENS // rule.block)
+    forced = (j[None] < sink) | (j[None] >= blocks_seen[:, None] - local)
+    rank = scores.masked_fill(forced, float("inf")).masked_fill(j[None] >= blocks_seen[:, None], float("-inf"))
+    budget_blocks = rule.budget // rule.block
+    top = rank.topk(min(budget_blocks, nb), dim=-1).indices
+    chosen = torch.zeros(x, sq, nb, dtype=torch.bool, device=dev).scatter_(-1, top, True)
+    chosen &= j[None, None] < blocks_seen[None, :, None]
+    keys = chosen.repeat_interleave(rule.block, -1)[..., :num_keys]
+    return keys & (torch.arange(num_keys, device=dev)[None, None] < seen[None, :, None])
+
+
+def twin_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention interface: query [1, Hq, Sq, D], key/value [1, Hkv, S, D] (cache included)."""
+    hq, sq, s = query.shape[1], query.shape[2], key.shape[2]
+    group = hq // key.shape[1]
+    if sq == s:  # the prefix: dense and causal
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                                               enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+    q, k, v = query[0].float(), key[0].float(), value[0].float()
+    logits = (q @ k.repeat_interleave(group, 0).transpose(1, 2)) * scaling  # [Hq, Sq, S]
+    pos = torch.arange(s, device=query.device)
+    causal = pos[None] <= pos[s - sq:, None]
+    logits = logits.masked_fill(~causal, float("-inf"))
+    if active is not None:
+        scores = head_scores(active, q, k, logits.softmax(-1))
+        scores = scores.view(-1, group, sq, scores.shape[-1]).amax(1)  # best head of each KV group
+        if not active.per_kv_head:
+            scores = scores.sum(0, keepdim=True)
+        keep = selected_keys(active, scores, s, s - sq)
+        if active.per_kv_head:
+            keep = keep.repeat_interleave(group, 0)
+        logits = logits.masked_fill(~keep, float("-inf"))
+    out = logits.softmax(-1) @ v.repeat_interleave(group, 0)
+    return out.to(query.dtype).transpose(0, 1)[None].contiguous(), None
+
+
+def register() -> str:
+    """Makes twin_attention known to transformers; returns the name models select it by."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, twin_attention)
+    return ATTENTION_NAME
+
+
+def load_model(path: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    register()
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype,
+                                                 attn_implementation=ATTENTION_NAME)
+    return model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+
+
+@torch.inference_mode()
+def scored_rows(model, window: list[int], scored: int, rules: list[Rule | None]) -> list[torch.Tensor]:
+    """Per rule: log-prob rows [scored, vocab] predicting the window's last `scored` tokens."""
+    global active
+    from transformers import DynamicCache
+
+    prefix_len = len(window) - scored - 1
+    ids = torch.tensor([window], device=model.device)
+    cache = DynamicCache(config=model.config)
+    active = None
+    model(ids[:, :prefix_len], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = []
+    try:
+        for rule in rules:
+            active = rule
+            # a copy per rule: the scored pass appends to it (crop() changed meaning across transformers 5.x)
+            logits = model(ids[:, prefix_len:-1], past_key_values=copy.deepcopy(cache), use_cache=True).logits[0]
+            out.append(torch.log_softmax(logits.float(), -1).cpu())
+    finally:
+        active = None
+    return out
+
+
+def agreement(name: str, rows: list[torch.Tensor], ref: list[torch.Tensor], tie_nats: float) -> dict:
+    """rows, ref: per window [scored, vocab] log-probs. Top-1 agreement, split at dense's near-ties; KL."""
+    same = ties = same_at_ties = 0
+    flips, kls = [], []
+    for mine, theirs in zip(rows, ref):
+        gaps = dense_gaps(list(theirs))
+        kls += (theirs.exp() * (theirs - mine)).sum(-1).tolist()
+        for pos, (a, b, gap) in enumerate(zip(mine.argmax(-1).tolist(), theirs.argmax(-1).tolist(), gaps)):
+            tie = gap < tie_nats
+            ties += tie
+            same += a == b
+            same_at_ties += tie and a == b
+            if a != b:
+                flips.append({"position": pos, "dense_gap_to_runner_up": round(gap, 4),
+                              "dense_gap_to_this_token": round(float(theirs[pos, b] - theirs[pos, a]), 4)})
+    n = sum(len(r) for r in rows)
+    return {"variant": name, "positions": n, "top1_agree": round(100 * same / n, 2), "kl": round(sum(kls) / n, 5),
+            "near_tie_positions": ties, "agree_at_near_ties": round(100 * same_at_ties / ties, 2) if ties else None,
+            "agree_at_clear": round(100 * (same - same_at_ties) / (n - ties), 2) if n > ties else None,
+            "flips": len(flips), "flips_at_near_ties": sum(f["dense_gap_to_runner_up"] < tie_nats for f in flips),
+            "flip_list": flips}
+
+
+def parse_rules(args) -> list[Rule]:
+    rules = []
+    for score in args.scores.split(","):
+        if score not in ("bound", "oracle"):
+            raise SystemExit(f"error: --scores takes bound and oracle, not {score!r}")
+        for block in (int(b) for b in args.block_sizes.split(",")):
+            if block < 1 or args.budget % block:
+                raise SystemExit(f"error: block size {block} must divide --budget {args.budget}")
+            if -(-SINK_TOKENS // block) + -(-LOCAL_TOKENS // block) > args.budget // block:
+                raise SystemExit(f"error: sink and local window exceed the budget at block size {block}")
+            for per_head in (False, True) if args.per_kv_head else (False,):
+                rules.append(Rule(score, block, per_head, args.budget))
+    return rules
+
+
+def windows_for(path: str, args) -> list[list[int]]:
+    """The same windows as `oasiskv eval --tasks ppl` and scripts/top1_flips.py draw (seeded per window)."""
+    from oasiskv.evals.haystack import Haystack
+    from oasiskv.evals.tasks import Perplexity, Settings
+    from oasiskv.evals.texts import load_corpus
+    from oasiskv.models.tokenizer import HFTokenizer
+
+    hay = Haystack(load_corpus(args.corpus), HFTokenizer.from_gguf(path))
+    return Perplexity().prepare(hay, args.context, Settings(windows=args.windows, scored=args.scored))
+
+
+def join_runs(paths: list[str]) -> dict[str, dict[int, dict]]:
+    """Runs at several budgets -> {rule label: {budget: result}}; a later file replaces the same rule and budget."""
+    table: dict[str, dict[int, dict]] = {}
+    for path in paths:
+        with open(path) as f:
+            run = json.load(f)
+        for r in run["results"]:
+            table.setdefault(r["variant"], {})[run["args"]["budget"]] = r
+    return table
+
+
+def print_sweep(table: dict[str, dict[int, dict]]) -> None:
+    budgets = sorted({b for row in table.values() for b in row})
+    print("top-1 agreement with dense (KL) per budget\n| rule | " + " | ".join(map(str, budgets)) + " |")
+    print("| --- |" + " --- |" * len(budgets))
+    for label, row in table.items():
+        cells = [f"{row[b]['top1_agree']:.2f} ({row[b]['kl']:.5f})" if b in row else "-" for b in budgets]
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+
+def plot_sweep(table: dict[str, dict[int, dict]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    colours = {}
+    for label, row in table.items():  # colour: block size; line: score; marker: per layer or per KV head
+        score, _, block, *per_head = label.split()
+        colour = colours.setdefault(block, f"C{len(colours)}")
+        budgets = sorted(row)
+        ax.plot(budgets, [row[b]["top1_agree"] for b in budgets], "-" if score == "oracle" else "--", color=colour,
+                marker="s" if per_head else "o", markersize=4, fillstyle="none" if per_head else "full", label=label)
+    ax.axhline(99, color="grey", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted({b for row in table.values() for b in row}), minor=False)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ax.set_xlabel("budget (tokens per layer)")
+    ax.set_ylabel("teacher-forced top-1 agreement with dense (%)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="a GGUF; default: the engine's (SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--context", type=int, default=8192)
+    p.add_argument("--windows", type=int, default=4)
+    p.add_argument("--scored", type=int, default=64)
+    p.add_argument("--budget", type=int, default=2048)
+    p.add_argument("--block-sizes", default="4,8,16,32")
+    p.add_argument("--scores", default="bound,oracle")
+    p.add_argument("--per-kv-head", action=argparse.BooleanOptionalAction, default=True,
+                   help="also one selection per KV head (default: yes)")
+    p.add_argument("--corpus", default="austen")
+    p.add_argument("--tie-nats", type=float, default=math.log(2))
+    p.add_argument("--json", default=None)
+    p.add_argument("--join", nargs="+", default=None, metavar="RUN.json",
+                   help="print (and --plot) runs made at several budgets instead of running")
+    p.add_argument("--plot", default=None, help="with --join: top-1 agreement against budget, as a PNG")
+    args = p.parse_args()
+    if args.join:
+        table = join_runs(args.join)
+        print_sweep(table)
+        if args.plot:
+            plot_sweep(table, args.plot)
+        return
+    from oasiskv.models.loader import embedded_default_path
+
+    path = args.model or embedded_default_path()
+    rules = parse_rules(args)
+    model = load_model(path, getattr(torch, args.dtype))
+    windows = windows_for(path, args)
+    t0 = time.perf_counter()
+    per_rule: list[list[torch.Tensor]] = [[] for _ in range(len(rules) + 1)]
+    for w in tqdm(windows, desc="windows"):
+        for i, rows in enumerate(scored_rows(model, w, args.scored, [None, *rules])):
+            per_rule[i].append(rows)
+    ref = per_rule[0]
+    results = [agreement(r.label, rows, ref, args.tie_nats) for r, rows in zip(rules, per_rule[1:])]
+    ties = results[0]["near_tie_positions"] if results else 0
+    print(f"\n{len(windows)} windows x {args.scored} positions, {ties} near-ties, budget {args.budget}, "
+          f"{time.perf_counter() - t0:.0f} s")
+    print(f"{'rule':34} {'top-1 agree':>11} {'KL':>8} {'near-tie agree':>14} {'clear agree':>11} {'flips':>5}")
+    for r in results:
+        print(f"{r['variant']:34} {r['top1_agree']:>11} {r['kl']:>8} {str(r['agree_at_near_ties']):>14} "
+              f"{str(r['agree_at_clear']):>11} {r['flips']:>5}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

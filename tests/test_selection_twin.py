@@ -1,0 +1,127 @@
+"""scripts/selection_twin.py: its selection against the engine's Quest kernel reference and a brute force, its
+scored pass against one decode step per row, and dense's rows whenever the budget covers the context."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oasiskv.kernels.block_select import block_scores_reference, select_blocks_padded
+from scripts import selection_twin as twin
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    model = LlamaForCausalLM(config).eval()
+    model.set_attn_implementation(twin.register())
+    return model
+
+
+def twin_keep(rule, q, k, first_pos):
+    """The twin's key mask for rows q [Hq, Sq, D] at positions first_pos.. over keys k [Hkv, S, D]."""
+    group = q.shape[0] // k.shape[0]
+    logits = q @ k.repeat_interleave(group, 0).transpose(1, 2)
+    causal = torch.arange(k.shape[1])[None] <= (torch.arange(q.shape[1]) + first_pos)[:, None]
+    probs = logits.masked_fill(~causal, float("-inf")).softmax(-1)
+    scores = twin.head_scores(rule, q, k, probs).view(k.shape[0], group, q.shape[1], -1).amax(1)
+    if not rule.per_kv_head:
+        scores = scores.sum(0, keepdim=True)
+    return twin.selected_keys(rule, scores, k.shape[1], first_pos), probs
+
+
+def test_bound_selection_equals_the_engines_quest_kernel_reference():
+    torch.manual_seed(1)
+    hq, hkv, d, s, sq = 4, 2, 8, 300, 5
+    q, k = torch.randn(hq, sq, d), torch.randn(hkv, s, d)
+    rule = twin.Rule("bound", 16, False, 128)  # 8 blocks: 1 sink, 4 local, 3 by score
+    keep, _ = twin_keep(rule, q, k, s - sq)
+    for i in range(sq):
+        seen = s - sq + i + 1
+        n = -(-seen // 16)
+        summaries = torch.stack(twin.block_summaries(k[:, :seen], 16), 0).permute(2, 0, 1, 3)  # [n, 2, Hkv, D]
+        scores = block_scores_reference(q[:, i][None], summaries, torch.arange(n, dtype=torch.int32)[None],
+                                        torch.tensor([n], dtype=torch.int32))
+        _, chosen = select_blocks_padded(scores, torch.tensor([n]), 8, 1, 4)
+        expect = torch.zeros(s, dtype=torch.bool)
+        for b in chosen[0].tolist():
+            expect[b * 16:(b + 1) * 16] = True
+        expect[seen:] = False
+        assert torch.equal(keep[0, i], expect)
+
+
+@pytest.mark.parametrize("per_kv_head", [False, True])
+def test_oracle_selection_keeps_the_blocks_of_most_attention_mass(per_kv_head):
+    torch.manual_seed(2)
+    hq, hkv, d, s, sq, block = 4, 2, 8, 300, 3, 8
+    q, k = torch.randn(hq, sq, d) * 2, torch.randn(hkv, s, d)
+    rule = twin.Rule("oracle", block, per_kv_head, 128)  # 16 blocks: 2 sink (16 tokens), 8 local (64), 6 by mass
+    keep, probs = twin_keep(rule, q, k, s - sq)
+    for i in range(sq):
+        n = -(-(s - sq + i + 1) // block)
+        forced = {0, 1} | set(range(n - 8, n))
+
+        def mass(h, b):
+            return float(probs[h, i, b * block:(b + 1) * block].sum())
+
+        def best_of_group(g, b):
+            return max(mass(2 * g, b), mass(2 * g + 1, b))
+
+        for x in range(hkv if per_kv_head else 1):
+            score = {b: best_of_group(x, b) if per_kv_head else sum(best_of_group(g, b) for g in range(hkv))
+                     for b in range(n)}
+            free = sorted((b for b in range(n) if b not in forced), key=lambda b: -score[b])
+            got = {j // block for j in keep[x, i].nonzero().flatten().tolist()}
+            assert got == forced | set(free[:16 - len(forced)])
+
+
+def test_the_rule_needs_room_for_sink_and_local_window():
+    with pytest.raises(SystemExit, match="exceed the budget"):
+        twin.parse_rules(type("A", (), {"scores": "bound", "block_sizes": "4", "budget": 64, "per_kv_head": False}))
+    with pytest.raises(SystemExit, match="must divide"):
+        twin.parse_rules(type("A", (), {"scores": "bound", "block_sizes": "48", "budget": 64, "per_kv_head": False}))
+
+
+@pytest.mark.parametrize("score,per_kv_head", [("bound", False), ("oracle", True)])
+def test_one_forward_of_the_scored_rows_equals_one_decode_step_per_row(tiny_llama, score, per_kv_head):
+    from transformers import DynamicCache
+
+    torch.manual_seed(3)
+    window = torch.randint(0, 97, (220,)).tolist()
+    rule = twin.Rule(score, 8, per_kv_head, 96)
+    batched = twin.scored_rows(tiny_llama, window, 12, [rule])[0]
+    prefix = len(window) - 13
+    cache = DynamicCache(config=tiny_llama.config)
+    rows = []
+    with torch.inference_mode():
+        tiny_llama(torch.tensor([window[:prefix]]), past_key_values=cache, use_cache=True)
+        twin.active = rule
+        try:
+            for t in range(prefix, len(window) - 1):
+                logits = tiny_llama(torch.tensor([[window[t]]]), past_key_values=cache, use_cache=True).logits[0]
+                rows.append(torch.log_softmax(logits.float(), -1)[0])
+        finally:
+            twin.active = None
+    torch.testing.assert_close(batched, torch.stack(rows), rtol=1e-4, atol=1e-5)
+
+
+def test_a_budget_over_the_context_gives_denses_rows(tiny_llama):
+    torch.manual_seed(4)
+    window = torch.randint(0, 97, (150,)).tolist()
+    rules = [twin.Rule("bound", 8, False, 160), twin.Rule("oracle", 16, True, 160)]
+    dense, *sparse = twin.scored_rows(tiny_llama, window, 10, [None, *rules])
+    for rows in sparse:
+        assert torch.equal(rows, dense)
+    r = twin.agreement("x", [sparse[0]], [dense], tie_nats=0.69)
+    assert (r["top1_agree"], r["flips"], r["kl"]) == (100.0, 0, 0.0)
+
+
+def test_a_small_budget_changes_the_rows(tiny_llama):
+    """The sparse pass really drops keys: a budget of the sink and local window alone moves the rows."""
+    torch.manual_seed(5)
+    window = torch.randint(0, 97, (400,)).tolist()
+    dense, sparse = twin.scored_rows(tiny_llama, window, 8, [None, twin.Rule("bound", 16, False, 80)])
+    assert (dense - sparse).abs().max() > 1e-4
