@@ -45,10 +45,14 @@ class Rule:
     block: int  # tokens per block
     per_kv_head: bool  # one selection per KV head, else one per layer
     budget: int  # tokens attended per row and layer (per KV head with per_kv_head)
+    # bound only: tokens per min/max summary, a divisor of block (default: block). A block's bound is then the
+    # largest of its sub-blocks' bounds: still an upper bound of q.k over the block, and a tighter one
+    summary: int | None = None
 
     @property
     def label(self) -> str:
-        return f"{self.score} block {self.block}" + (" per KV head" if self.per_kv_head else "")
+        sub = f" ({self.summary}-token summaries)" if self.summary not in (None, self.block) else ""
+        return f"{self.score} block {self.block}{sub}" + (" per KV head" if self.per_kv_head else "")
 
 
 active: Rule | None = None  # the rule of the scored pass now running; the prefix pass is always dense
@@ -71,10 +75,17 @@ def head_scores(rule: Rule, q: torch.Tensor, keys: torch.Tensor, probs: torch.Te
         nb = -(-keys.shape[1] // rule.block)
         pad = nb * rule.block - keys.shape[1]
         return torch.nn.functional.pad(probs, (0, pad)).view(hq, q.shape[1], nb, rule.block).sum(-1)
-    lo, hi = block_summaries(keys, rule.block)
+    sub = rule.summary or rule.block
+    lo, hi = block_summaries(keys, sub)
     lo, hi = lo.repeat_interleave(hq // hkv, 0), hi.repeat_interleave(hq // hkv, 0)
     # sum_d max(q*lo, q*hi) = relu(q).hi + min(q, 0).lo, as lo <= hi
-    return q.clamp(min=0) @ hi.transpose(1, 2) + q.clamp(max=0) @ lo.transpose(1, 2)
+    bounds = q.clamp(min=0) @ hi.transpose(1, 2) + q.clamp(max=0) @ lo.transpose(1, 2)  # [Hq, Sq, sub-blocks]
+    per_block = rule.block // sub
+    if per_block == 1:
+        return bounds
+    nb = -(-bounds.shape[-1] // per_block)
+    bounds = torch.nn.functional.pad(bounds, (0, nb * per_block - bounds.shape[-1]), value=float("-inf"))
+    return bounds.view(*bounds.shape[:-1], nb, per_block).amax(-1)
 
 
 def selected_keys(rule: Rule, scores: torch.Tensor, num_keys: int, first_pos: int) -> torch.Tensor:
@@ -198,7 +209,17 @@ def parse_rules(args) -> list[Rule]:
                 raise SystemExit(f"error: sink and local window exceed the budget at block size {block}")
             for per_head in (False, True) if args.per_kv_head else (False,):
                 rules.append(Rule(score, block, per_head, args.budget))
+                for sub in sub_summaries(args, score, block):
+                    rules.append(Rule(score, block, per_head, args.budget, sub))
     return rules
+
+
+def sub_summaries(args, score: str, block: int) -> list[int]:
+    """--summary-tokens that apply to this rule: the bound's, divisors of the block below its size."""
+    subs = [int(t) for t in args.summary_tokens.split(",")] if args.summary_tokens else []
+    if any(t < 1 for t in subs):
+        raise SystemExit("error: --summary-tokens must be positive")
+    return [t for t in subs if score == "bound" and t < block and block % t == 0]
 
 
 def windows_for(path: str, args) -> list[list[int]]:
@@ -269,6 +290,8 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=2048)
     p.add_argument("--block-sizes", default="4,8,16,32")
     p.add_argument("--scores", default="bound,oracle")
+    p.add_argument("--summary-tokens", default="", help="also bound rules whose blocks keep min/max summaries of "
+                   "this many tokens each (divisors of the block size), e.g. 8 or 4,8")
     p.add_argument("--per-kv-head", action=argparse.BooleanOptionalAction, default=True,
                    help="also one selection per KV head (default: yes)")
     p.add_argument("--corpus", default="austen")

@@ -80,9 +80,27 @@ def test_oracle_selection_keeps_the_blocks_of_most_attention_mass(per_kv_head):
 
 def test_the_rule_needs_room_for_sink_and_local_window():
     with pytest.raises(SystemExit, match="exceed the budget"):
-        twin.parse_rules(type("A", (), {"scores": "bound", "block_sizes": "4", "budget": 64, "per_kv_head": False}))
+        twin.parse_rules(type("A", (), {"scores": "bound", "block_sizes": "4", "budget": 64, "per_kv_head": False,
+                                           "summary_tokens": ""}))
     with pytest.raises(SystemExit, match="must divide"):
-        twin.parse_rules(type("A", (), {"scores": "bound", "block_sizes": "48", "budget": 64, "per_kv_head": False}))
+        twin.parse_rules(type("A", (), {"scores": "bound", "block_sizes": "48", "budget": 64, "per_kv_head": False,
+                                           "summary_tokens": ""}))
+
+
+def test_sub_block_summaries_give_a_tighter_bound_that_still_holds():
+    torch.manual_seed(6)
+    q, k = torch.randn(4, 3, 8), torch.randn(2, 64, 8)
+    probs = torch.zeros(4, 3, 64)
+    whole = twin.head_scores(twin.Rule("bound", 16, False, 64), q, k, probs)
+    halves = twin.head_scores(twin.Rule("bound", 16, False, 64, summary=8), q, k, probs)
+    exact = (q @ k.repeat_interleave(2, 0).transpose(1, 2)).view(4, 3, 4, 16).amax(-1)  # max q.k in each block
+    assert (exact <= halves + 1e-5).all() and (halves <= whole + 1e-5).all() and (halves < whole - 1e-3).any()
+    per_half = twin.head_scores(twin.Rule("bound", 8, False, 64), q, k, probs).view(4, 3, 4, 2).amax(-1)
+    torch.testing.assert_close(halves, per_half)
+    args = type("A", (), {"scores": "bound,oracle", "block_sizes": "16", "budget": 128, "per_kv_head": False,
+                          "summary_tokens": "8,5"})
+    assert [r.label for r in twin.parse_rules(args)] == [
+        "bound block 16", "bound block 16 (8-token summaries)", "oracle block 16"]
 
 
 @pytest.mark.parametrize("score,per_kv_head", [("bound", False), ("oracle", True)])
