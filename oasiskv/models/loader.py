@@ -16,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from oasiskv.config import ModelConfig
+from oasiskv.models import gguf_meta
 from oasiskv.models.llama import CausalLM, rope_inv_freq
 from oasiskv.models.tokenizer import ByteTokenizer, HFTokenizer
 
@@ -79,10 +80,8 @@ def read_hf_config(kind: str, location: str) -> dict:
 
 @functools.lru_cache(maxsize=4)
 def gguf_config(path: str, mtime_ns: int, size: int) -> dict:
-    """The HF config in a GGUF's metadata (parsing it reads the whole vocabulary: once per file per process)."""
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    return load_gguf_checkpoint(path, return_tensors=False)["config"]
+    """The HF config in a GGUF's metadata: parsed once per file (gguf_meta's disk cache), read once per process."""
+    return gguf_meta.config(path, mtime_ns, size)
 
 
 def load_model(model: str | None, load_format: str, device: torch.device, dtype: torch.dtype,

@@ -66,8 +66,8 @@ class ByteTokenizer:
 
 @functools.lru_cache(maxsize=4)
 def _gguf_tokenizer(path: str, mtime_ns: int, size: int):
-    """Building a fast tokenizer from a GGUF's vocabulary takes seconds: once per file (and version) per
-    process. The tokenizer is only read, so engines share it."""
-    from transformers import AutoTokenizer
+    """Building a fast tokenizer from a GGUF's vocabulary takes seconds: once per file (gguf_meta's disk cache),
+    then read once per process. The tokenizer is only read, so engines share it."""
+    from oasiskv.models import gguf_meta
 
-    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    return gguf_meta.tokenizer(path, mtime_ns, size)

@@ -1,0 +1,75 @@
+"""What transformers reads from a GGUF's metadata, the HF config and the fast tokenizer, kept on disk.
+
+transformers parses the whole metadata, vocabulary included, to get either one: about 4 s each for SmolLM2 on a
+2-core CPU. Every process that loads a GGUF (the CLI, a server, each tensor-parallel rank, a test's subprocess)
+paid both again. They are saved once per file under ``~/.cache/oasiskv/gguf/<key>/`` (``$OASISKV_GGUF_CACHE``
+moves it). The key hashes the file's absolute path, size and mtime with transformers' version, so a changed
+file or another transformers never reads a stale entry. Writes land in a temporary name that is renamed into
+place, so a concurrent process sees a whole entry or none; a cache that cannot be written is skipped.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+
+DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "oasiskv", "gguf")
+
+
+def entry_dir(path: str, mtime_ns: int, size: int) -> str:
+    import transformers
+
+    key = hashlib.sha256(f"{path}|{size}|{mtime_ns}|{transformers.__version__}".encode()).hexdigest()[:24]
+    return os.path.join(os.environ.get("OASISKV_GGUF_CACHE", DEFAULT_DIR), key)
+
+
+def config(path: str, mtime_ns: int, size: int) -> dict:
+    """The HF config dict in the GGUF's metadata (transformers' reading of it)."""
+    entry = entry_dir(path, mtime_ns, size)
+    stored = os.path.join(entry, "config.json")
+    try:
+        with open(stored, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        pass
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    cfg = load_gguf_checkpoint(path, return_tensors=False)["config"]
+    try:
+        os.makedirs(entry, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=entry, suffix=".tmp", delete=False, encoding="utf-8") as f:
+            json.dump(cfg, f)
+        os.replace(f.name, stored)
+    except OSError:
+        pass  # an unwritable cache only costs the next process the parse
+    return cfg
+
+
+def tokenizer(path: str, mtime_ns: int, size: int):
+    """transformers' fast tokenizer built from the GGUF's vocabulary."""
+    from transformers import AutoTokenizer
+
+    stored = os.path.join(entry_dir(path, mtime_ns, size), "tokenizer")
+    if os.path.isdir(stored):
+        try:
+            return AutoTokenizer.from_pretrained(stored)
+        except Exception:  # noqa: BLE001 - whatever broke the entry, the GGUF still holds the vocabulary
+            shutil.rmtree(stored, ignore_errors=True)
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    save(tok, stored)
+    return tok
+
+
+def save(tok, stored: str) -> None:
+    try:
+        os.makedirs(os.path.dirname(stored), exist_ok=True)
+        staging = tempfile.mkdtemp(dir=os.path.dirname(stored), suffix=".tmp")
+    except OSError:
+        return
+    try:
+        tok.save_pretrained(staging)
+        os.rename(staging, stored)  # fails when another process stored it first: theirs stays
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)

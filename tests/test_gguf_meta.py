@@ -1,0 +1,117 @@
+"""oasiskv/models/gguf_meta.py: the GGUF's config and tokenizer read back from the disk cache, without parsing the
+file, equal transformers' own reading of it; a changed file gets a new entry; a broken or unwritable cache costs
+only the parse."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from oasiskv.models import gguf_meta
+from oasiskv.models.loader import embedded_default_path
+
+TEXTS = ["Mr. Bingley was good-looking and gentlemanlike; he had a pleasant countenance.",
+         "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)",
+         "Numbers 1234567, accents café naïve, and a <|im_end|> special token."]
+
+
+@pytest.fixture(scope="module")
+def gguf():
+    path = os.path.abspath(embedded_default_path())
+    stat = os.stat(path)
+    return path, stat.st_mtime_ns, stat.st_size
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gguf_cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OASISKV_GGUF_CACHE", str(d))
+        yield d
+
+
+@pytest.fixture(scope="module")
+def built(gguf, cache_dir):
+    """On an empty cache: transformers' own reading of the GGUF (config, tokenizer), which is then stored."""
+    assert not os.path.exists(gguf_meta.entry_dir(*gguf))
+    return json.loads(json.dumps(gguf_meta.config(*gguf))), gguf_meta.tokenizer(*gguf)
+
+
+@pytest.fixture
+def parses(built, monkeypatch):
+    """Counts the parses of the GGUF and answers them with `built` (the first test checks the real ones)."""
+    import transformers
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    calls, from_dir = [], transformers.AutoTokenizer.from_pretrained
+
+    def tokenizer(path, gguf_file=None, **kwargs):
+        if gguf_file is None:
+            return from_dir(path, **kwargs)
+        calls.append("tokenizer")
+        return built[1]
+
+    def config(path, return_tensors):
+        calls.append("config")
+        return {"config": dict(built[0])}
+
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", config)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", tokenizer)
+    return calls
+
+
+def same_tokenizer(a, b) -> None:
+    for text in TEXTS:
+        assert a.encode(text) == b.encode(text)
+        ids = a.encode(text)
+        assert a.decode(ids, skip_special_tokens=True) == b.decode(ids, skip_special_tokens=True)
+    chat = [{"role": "user", "content": TEXTS[0]}]
+    assert (a.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            == b.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+    assert (a.eos_token_id, a.bos_token_id, len(a)) == (b.eos_token_id, b.bos_token_id, len(b))
+
+
+def test_the_config_and_tokenizer_are_read_back_without_parsing_the_gguf(gguf, built, parses, smollm_hf_tokenizer):
+    entry = gguf_meta.entry_dir(*gguf)
+    assert os.path.isfile(os.path.join(entry, "config.json"))
+    assert os.path.isfile(os.path.join(entry, "tokenizer", "tokenizer.json"))
+    assert gguf_meta.config(*gguf) == built[0]
+    same_tokenizer(gguf_meta.tokenizer(*gguf), built[1])
+    assert parses == []
+    same_tokenizer(built[1], smollm_hf_tokenizer)  # what was stored is transformers' tokenizer of the file
+    assert built[0]["num_hidden_layers"] == 30 and built[0]["model_type"] == "llama"
+
+
+def test_a_changed_file_or_another_transformers_gets_its_own_entry(gguf, monkeypatch):
+    import transformers
+
+    path, mtime, size = gguf
+    entry = gguf_meta.entry_dir(path, mtime, size)
+    assert gguf_meta.entry_dir(path, mtime + 1, size) != entry
+    assert gguf_meta.entry_dir(path, mtime, size + 1) != entry
+    monkeypatch.setattr(transformers, "__version__", transformers.__version__ + ".other")
+    assert gguf_meta.entry_dir(path, mtime, size) != entry
+
+
+def test_a_broken_entry_is_parsed_again_and_stored_whole(gguf, built, parses):
+    entry = gguf_meta.entry_dir(*gguf)
+    for name in ("config.json", os.path.join("tokenizer", "tokenizer.json")):
+        with open(os.path.join(entry, name), "w") as f:
+            f.write("{not json")
+    assert gguf_meta.config(*gguf) == built[0]
+    same_tokenizer(gguf_meta.tokenizer(*gguf), built[1])
+    assert parses == ["config", "tokenizer"]
+    assert gguf_meta.config(*gguf) == built[0]  # stored again: read back
+    same_tokenizer(gguf_meta.tokenizer(*gguf), built[1])
+    assert parses == ["config", "tokenizer"]
+
+
+def test_an_unwritable_cache_costs_only_the_parse(gguf, built, tmp_path, monkeypatch, parses):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("OASISKV_GGUF_CACHE", str(blocker / "cache"))  # under a file: no directory can be made
+    assert gguf_meta.config(*gguf) == built[0] and gguf_meta.config(*gguf) == built[0]
+    same_tokenizer(gguf_meta.tokenizer(*gguf), built[1])
+    assert parses == ["config", "config", "tokenizer"]
+    assert not (blocker / "cache").exists()
