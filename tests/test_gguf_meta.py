@@ -1,4 +1,4 @@
-"""oasiskv/models/gguf_meta.py: the GGUF's config and tokenizer read back from the disk cache, without parsing the
+"""oasiskv/models/gguf_meta.py: the GGUF's config, tokenizer and tensor index read back from the disk cache, without parsing the
 file, equal transformers' own reading of it; a changed file gets a new entry; a broken or unwritable cache costs
 only the parse."""
 from __future__ import annotations
@@ -115,3 +115,45 @@ def test_an_unwritable_cache_costs_only_the_parse(gguf, built, tmp_path, monkeyp
     same_tokenizer(gguf_meta.tokenizer(*gguf), built[1])
     assert parses == ["config", "config", "tokenizer"]
     assert not (blocker / "cache").exists()
+
+
+@pytest.fixture(scope="module")
+def reader(gguf):
+    import gguf as gguf_lib
+
+    return gguf_lib.GGUFReader(gguf[0])
+
+
+def test_tensors_sliced_by_the_index_equal_ggufs_reader_bit_for_bit(gguf, cache_dir, reader):
+    import gguf as gguf_lib
+    import numpy as np
+
+    expected = {t.name: gguf_lib.quants.dequantize(t.data, t.tensor_type) for t in reader.tensors}
+    for attempt in ("parsed", "read back"):
+        index = gguf_meta.tensor_index(*gguf)
+        assert index["arch"] == "llama" and len(index["tensors"]) == len(expected) == 272, attempt
+        data = np.memmap(gguf[0], mode="r", dtype=np.uint8)
+        for name, qtype, offset, n_bytes, dtype, shape in index["tensors"]:
+            raw = data[offset: offset + n_bytes].view(np.dtype(dtype)).reshape(shape)
+            got = gguf_lib.quants.dequantize(raw, gguf_lib.GGMLQuantizationType(qtype))
+            assert np.array_equal(got, expected[name]), (attempt, name)
+    assert os.path.isfile(os.path.join(gguf_meta.entry_dir(*gguf), "tensors.json"))
+
+
+def test_an_index_that_does_not_fit_the_file_is_built_again(gguf, cache_dir, reader, monkeypatch):
+    import gguf as gguf_lib
+
+    good = gguf_meta.tensor_index(*gguf)
+    opened = []
+    monkeypatch.setattr(gguf_lib, "GGUFReader", lambda path: opened.append(path) or reader)  # parsed once above
+    stored = os.path.join(gguf_meta.entry_dir(*gguf), "tensors.json")
+    bad = json.loads(json.dumps(good))
+    bad["tensors"][-1][2] = gguf[2]  # the last tensor's offset at the end of the file
+    for text in (json.dumps(bad), "{not json", json.dumps({"arch": "llama"})):
+        with open(stored, "w") as f:
+            f.write(text)
+        assert gguf_meta.tensor_index(*gguf) == good
+    assert opened == [gguf[0]] * 3
+    with open(stored) as f:
+        assert json.load(f) == good
+    assert gguf_meta.tensor_index(*gguf) == good and len(opened) == 3  # read back

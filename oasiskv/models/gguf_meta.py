@@ -1,8 +1,9 @@
-"""What transformers reads from a GGUF's metadata, the HF config and the fast tokenizer, kept on disk.
+"""What a GGUF's metadata gives, kept on disk: the HF config and the fast tokenizer (transformers' readings), and
+where each tensor lies in the file.
 
-transformers parses the whole metadata, vocabulary included, to get either one: about 4 s each for SmolLM2 on a
-2-core CPU. Every process that loads a GGUF (the CLI, a server, each tensor-parallel rank, a test's subprocess)
-paid both again. They are saved once per file under ``~/.cache/oasiskv/gguf/<key>/`` (``$OASISKV_GGUF_CACHE``
+Any of them needs the whole metadata parsed, vocabulary included: about 4 s each time for SmolLM2 on a 2-core CPU,
+and transformers and gguf's reader parsed it three times in every process that loads a GGUF (the CLI, a server,
+each tensor-parallel rank, a test's subprocess). They are saved once per file under ``~/.cache/oasiskv/gguf/<key>/`` (``$OASISKV_GGUF_CACHE``
 moves it). The key hashes the file's absolute path, size and mtime with transformers' version, so a changed
 file or another transformers never reads a stale entry. Writes land in a temporary name that is renamed into
 place, so a concurrent process sees a whole entry or none; a cache that cannot be written is skipped.
@@ -45,6 +46,34 @@ def config(path: str, mtime_ns: int, size: int) -> dict:
     except OSError:
         pass  # an unwritable cache only costs the next process the parse
     return cfg
+
+
+def tensor_index(path: str, mtime_ns: int, size: int) -> dict:
+    """{"arch": the model architecture, "tensors": [[name, GGML type, file offset, bytes, numpy dtype, shape], ...]}:
+    enough to slice each tensor's data out of the file (gguf's reader gives the same slices)."""
+    entry = entry_dir(path, mtime_ns, size)
+    stored = os.path.join(entry, "tensors.json")
+    try:
+        with open(stored, encoding="utf-8") as f:
+            index = json.load(f)
+        if all(offset + n_bytes <= size for _, _, offset, n_bytes, _, _ in index["tensors"]):
+            return index
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    index = {"arch": str(reader.fields["general.architecture"].contents()),
+             "tensors": [[t.name, int(t.tensor_type), int(t.data_offset), int(t.n_bytes), t.data.dtype.str,
+                          list(t.data.shape)] for t in reader.tensors]}
+    try:
+        os.makedirs(entry, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=entry, suffix=".tmp", delete=False, encoding="utf-8") as f:
+            json.dump(index, f)
+        os.replace(f.name, stored)
+    except OSError:
+        pass
+    return index
 
 
 def tokenizer(path: str, mtime_ns: int, size: int):

@@ -195,13 +195,17 @@ def unpermute_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def gguf_tensors(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """The GGUF's tensors, dequantized, each sliced out of the file by gguf_meta's index of it."""
     import gguf
+    import numpy as np
 
-    reader = gguf.GGUFReader(path)
-    arch = reader.fields["general.architecture"].contents()
-    for t in reader.tensors:
-        name = gguf_name(t.name)
-        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+    stat = os.stat(path)
+    index = gguf_meta.tensor_index(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+    arch, data = index["arch"], np.memmap(path, mode="r", dtype=np.uint8)
+    for raw_name, qtype, offset, n_bytes, dtype, shape in index["tensors"]:
+        name = gguf_name(raw_name)
+        raw = data[offset: offset + n_bytes].view(np.dtype(dtype)).reshape(shape)
+        w = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype)).copy())
         if arch == "llama" and name.endswith("q_proj.weight"):
             w = unpermute_rope(w, cfg.num_heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
