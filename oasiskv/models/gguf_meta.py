@@ -29,22 +29,13 @@ def entry_dir(path: str, mtime_ns: int, size: int) -> str:
 def config(path: str, mtime_ns: int, size: int) -> dict:
     """The HF config dict in the GGUF's metadata (transformers' reading of it)."""
     entry = entry_dir(path, mtime_ns, size)
-    stored = os.path.join(entry, "config.json")
-    try:
-        with open(stored, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        pass
+    cfg = read_json(entry, "config.json")
+    if isinstance(cfg, dict):
+        return cfg
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     cfg = load_gguf_checkpoint(path, return_tensors=False)["config"]
-    try:
-        os.makedirs(entry, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=entry, suffix=".tmp", delete=False, encoding="utf-8") as f:
-            json.dump(cfg, f)
-        os.replace(f.name, stored)
-    except OSError:
-        pass  # an unwritable cache only costs the next process the parse
+    write_json(entry, "config.json", cfg)
     return cfg
 
 
@@ -52,27 +43,20 @@ def tensor_index(path: str, mtime_ns: int, size: int) -> dict:
     """{"arch": the model architecture, "tensors": [[name, GGML type, file offset, bytes, numpy dtype, shape], ...]}:
     enough to slice each tensor's data out of the file (gguf's reader gives the same slices)."""
     entry = entry_dir(path, mtime_ns, size)
-    stored = os.path.join(entry, "tensors.json")
+    index = read_json(entry, "tensors.json")
     try:
-        with open(stored, encoding="utf-8") as f:
-            index = json.load(f)
-        if all(offset + n_bytes <= size for _, _, offset, n_bytes, _, _ in index["tensors"]):
+        if isinstance(index["arch"], str) and all(offset + n_bytes <= size
+                                                  for _, _, offset, n_bytes, _, _ in index["tensors"]):
             return index
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    except (KeyError, TypeError, ValueError):
+        pass  # not an index of this file: parse it again
     import gguf
 
     reader = gguf.GGUFReader(path)
     index = {"arch": str(reader.fields["general.architecture"].contents()),
              "tensors": [[t.name, int(t.tensor_type), int(t.data_offset), int(t.n_bytes), t.data.dtype.str,
                           list(t.data.shape)] for t in reader.tensors]}
-    try:
-        os.makedirs(entry, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=entry, suffix=".tmp", delete=False, encoding="utf-8") as f:
-            json.dump(index, f)
-        os.replace(f.name, stored)
-    except OSError:
-        pass
+    write_json(entry, "tensors.json", index)
     return index
 
 
@@ -102,3 +86,22 @@ def save(tok, stored: str) -> None:
         os.rename(staging, stored)  # fails when another process stored it first: theirs stays
     except OSError:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def read_json(entry: str, name: str):
+    """The stored value, or None when there is none or it is not JSON."""
+    try:
+        with open(os.path.join(entry, name), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def write_json(entry: str, name: str, value) -> None:
+    try:
+        os.makedirs(entry, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=entry, suffix=".tmp", delete=False, encoding="utf-8") as f:
+            json.dump(value, f)
+        os.replace(f.name, os.path.join(entry, name))
+    except OSError:
+        pass  # an unwritable cache only costs the next process the parse
