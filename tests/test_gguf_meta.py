@@ -1,6 +1,6 @@
-"""oasiskv/models/gguf_meta.py: the GGUF's config, tokenizer and tensor index read back from the disk cache, without parsing the
-file, equal transformers' own reading of it; a changed file gets a new entry; a broken or unwritable cache costs
-only the parse."""
+"""oasiskv/models/gguf_meta.py: the GGUF's config, tokenizer and tensor index read back from the disk cache,
+without parsing the file, equal transformers' and gguf's own readings of it; a changed file gets a new entry; a
+broken or unwritable cache costs only the parse."""
 from __future__ import annotations
 
 import json

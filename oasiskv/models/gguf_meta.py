@@ -1,12 +1,13 @@
 """What a GGUF's metadata gives, kept on disk: the HF config and the fast tokenizer (transformers' readings), and
 where each tensor lies in the file.
 
-Any of them needs the whole metadata parsed, vocabulary included: about 4 s each time for SmolLM2 on a 2-core CPU,
-and transformers and gguf's reader parsed it three times in every process that loads a GGUF (the CLI, a server,
-each tensor-parallel rank, a test's subprocess). They are saved once per file under ``~/.cache/oasiskv/gguf/<key>/`` (``$OASISKV_GGUF_CACHE``
-moves it). The key hashes the file's absolute path, size and mtime with transformers' version, so a changed
-file or another transformers never reads a stale entry. Writes land in a temporary name that is renamed into
-place, so a concurrent process sees a whole entry or none; a cache that cannot be written is skipped.
+Any of them needs the whole metadata parsed, vocabulary included: about 4 s each time for SmolLM2 on a 2-core CPU.
+transformers and gguf's reader parsed it three times in every process that loads a GGUF (the CLI, a server, each
+tensor-parallel rank, a test's subprocess). Now it is parsed once per file and the results are kept under
+``~/.cache/oasiskv/gguf/<key>/`` (``$OASISKV_GGUF_CACHE`` moves it). The key hashes the file's absolute path, size
+and mtime with transformers' version, so a changed file or another transformers never reads a stale entry. Writes
+land in a temporary name that is renamed into place, so a concurrent process sees a whole entry or none; a cache
+that cannot be written is skipped.
 """
 from __future__ import annotations
 
