@@ -83,7 +83,7 @@ def test_the_config_and_tokenizer_are_read_back_without_parsing_the_gguf(gguf, b
     assert built[0]["num_hidden_layers"] == 30 and built[0]["model_type"] == "llama"
 
 
-def test_a_changed_file_or_another_transformers_gets_its_own_entry(gguf, monkeypatch):
+def test_a_changed_file_or_another_reader_version_gets_its_own_entry(gguf, monkeypatch):
     import transformers
 
     path, mtime, size = gguf
@@ -91,6 +91,11 @@ def test_a_changed_file_or_another_transformers_gets_its_own_entry(gguf, monkeyp
     assert gguf_meta.entry_dir(path, mtime + 1, size) != entry
     assert gguf_meta.entry_dir(path, mtime, size + 1) != entry
     monkeypatch.setattr(transformers, "__version__", transformers.__version__ + ".other")
+    assert gguf_meta.entry_dir(path, mtime, size) != entry
+    monkeypatch.undo()
+    assert gguf_meta.entry_dir(path, mtime, size) == entry
+    real = gguf_meta.importlib.metadata.version
+    monkeypatch.setattr(gguf_meta.importlib.metadata, "version", lambda name: real(name) + ".other")
     assert gguf_meta.entry_dir(path, mtime, size) != entry
 
 

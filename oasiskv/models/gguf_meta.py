@@ -5,13 +5,14 @@ Any of them needs the whole metadata parsed, vocabulary included: about 4 s each
 transformers and gguf's reader parsed it three times in every process that loads a GGUF (the CLI, a server, each
 tensor-parallel rank, a test's subprocess). Now it is parsed once per file and the results are kept under
 ``~/.cache/oasiskv/gguf/<key>/`` (``$OASISKV_GGUF_CACHE`` moves it). The key hashes the file's absolute path, size
-and mtime with transformers' version, so a changed file or another transformers never reads a stale entry. Writes
+and mtime with transformers' and gguf's versions, so a changed file or another reader never reads a stale entry. Writes
 land in a temporary name that is renamed into place, so a concurrent process sees a whole entry or none; a cache
 that cannot be written is skipped.
 """
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
@@ -23,7 +24,8 @@ DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "oasiskv", "gguf")
 def entry_dir(path: str, mtime_ns: int, size: int) -> str:
     import transformers
 
-    key = hashlib.sha256(f"{path}|{size}|{mtime_ns}|{transformers.__version__}".encode()).hexdigest()[:24]
+    readers = f"{transformers.__version__}|{importlib.metadata.version('gguf')}"  # what parsed the entry
+    key = hashlib.sha256(f"{path}|{size}|{mtime_ns}|{readers}".encode()).hexdigest()[:24]
     return os.path.join(os.environ.get("OASISKV_GGUF_CACHE", DEFAULT_DIR), key)
 
 
