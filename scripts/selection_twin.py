@@ -41,7 +41,7 @@ ATTENTION_NAME = "oasiskv_selection_twin"
 class Rule:
     """How the scored rows select their keys; None (the module's `active`) means dense."""
 
-    score: str  # "bound" (Quest) or "oracle" (exact attention mass)
+    score: str  # "bound" (Quest), "mass" (the engine's estimated mass) or "oracle" (exact attention mass)
     block: int  # tokens per block
     per_kv_head: bool  # one selection per KV head, else one per layer
     budget: int  # tokens attended per row and layer (per KV head with per_kv_head)
@@ -68,9 +68,13 @@ def block_summaries(keys: torch.Tensor, block: int) -> tuple[torch.Tensor, torch
     return lo, hi
 
 
-def head_scores(rule: Rule, q: torch.Tensor, keys: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-    """Per query head, row and block: [Hq, Sq, NB]. q [Hq, Sq, D]; keys [Hkv, S, D]; probs [Hq, Sq, S]."""
+def head_scores(rule: Rule, q: torch.Tensor, keys: torch.Tensor, probs: torch.Tensor,
+                scale: float = 1.0) -> torch.Tensor:
+    """Per query head, row and block: [Hq, Sq, NB]. q [Hq, Sq, D]; keys [Hkv, S, D]; probs [Hq, Sq, S]; rows sit
+    at the last Sq positions; `scale`: the logits' (the mass estimate's softmax needs it)."""
     hq, hkv = q.shape[0], keys.shape[0]
+    if rule.score == "mass":
+        return mass_scores(rule, q, keys, scale)
     if rule.score == "oracle":
         nb = -(-keys.shape[1] // rule.block)
         pad = nb * rule.block - keys.shape[1]
@@ -86,6 +90,21 @@ def head_scores(rule: Rule, q: torch.Tensor, keys: torch.Tensor, probs: torch.Te
     nb = -(-bounds.shape[-1] // per_block)
     bounds = torch.nn.functional.pad(bounds, (0, nb * per_block - bounds.shape[-1]), value=float("-inf"))
     return bounds.view(*bounds.shape[:-1], nb, per_block).amax(-1)
+
+
+def mass_scores(rule: Rule, q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """The engine's mass score (kernels/block_mass.py) per query head: estimated logits q.centre +
+    RADIUS_WEIGHT |q|.radius through a softmax over each row's blocks but its tail. [Hq, Sq, NB]."""
+    from oasiskv.kernels.block_mass import RADIUS_WEIGHT
+
+    group, sq = q.shape[0] // keys.shape[0], q.shape[1]
+    lo, hi = (x.repeat_interleave(group, 0) for x in block_summaries(keys, rule.block))
+    centre, radius = (lo + hi) / 2, (hi - lo) / 2 * RADIUS_WEIGHT
+    logits = (q @ centre.transpose(1, 2) + q.abs() @ radius.transpose(1, 2)) * scale  # [Hq, Sq, NB]
+    blocks_seen = -(-(torch.arange(sq, device=q.device) + keys.shape[1] - sq + 1) // rule.block)
+    normalised = torch.arange(logits.shape[-1], device=q.device)[None] < blocks_seen[:, None] - 1
+    lse = logits.masked_fill(~normalised[None], float("-inf")).logsumexp(-1, keepdim=True)
+    return torch.where(lse > float("-inf"), (logits - lse).exp(), torch.zeros_like(logits))
 
 
 def selected_keys(rule: Rule, scores: torch.Tensor, num_keys: int, first_pos: int) -> torch.Tensor:
@@ -122,7 +141,7 @@ def twin_attention(module, query, key, value, attention_mask, scaling=None, drop
     causal = pos[None] <= pos[s - sq:, None]
     logits = logits.masked_fill(~causal, float("-inf"))
     if active is not None:
-        scores = head_scores(active, q, k, logits.softmax(-1))
+        scores = head_scores(active, q, k, logits.softmax(-1), scaling)
         scores = scores.view(-1, group, sq, scores.shape[-1]).amax(1)  # best head of each KV group
         if not active.per_kv_head:
             scores = scores.sum(0, keepdim=True)
@@ -200,8 +219,8 @@ def agreement(name: str, rows: list[torch.Tensor], ref: list[torch.Tensor], tie_
 def parse_rules(args) -> list[Rule]:
     rules = []
     for score in args.scores.split(","):
-        if score not in ("bound", "oracle"):
-            raise SystemExit(f"error: --scores takes bound and oracle, not {score!r}")
+        if score not in ("bound", "mass", "oracle"):
+            raise SystemExit(f"error: --scores takes bound, mass and oracle, not {score!r}")
         for block in (int(b) for b in args.block_sizes.split(",")):
             if block < 1 or args.budget % block:
                 raise SystemExit(f"error: block size {block} must divide --budget {args.budget}")
@@ -289,7 +308,7 @@ def main() -> None:
     p.add_argument("--scored", type=int, default=64)
     p.add_argument("--budget", type=int, default=2048)
     p.add_argument("--block-sizes", default="4,8,16,32")
-    p.add_argument("--scores", default="bound,oracle")
+    p.add_argument("--scores", default="bound,oracle", help="any of bound, mass, oracle")
     p.add_argument("--summary-tokens", default="", help="also bound rules whose blocks keep min/max summaries of "
                    "this many tokens each (divisors of the block size), e.g. 8 or 4,8")
     p.add_argument("--per-kv-head", action=argparse.BooleanOptionalAction, default=True,

@@ -44,14 +44,14 @@ def plan(chunks: list[ScheduledChunk]) -> SchedulerOutput:
     return SchedulerOutput(chunks=chunks)
 
 
-def write_tiny_config(directory, model_type: str = "llama") -> str:
-    """A 2-layer random-weight model's config.json (vocab 512, hidden 64, 4 query / 2 KV heads of 16) in
-    `directory`, for --model DIR --load-format dummy. Returns the directory as a string."""
+def write_tiny_config(directory, model_type: str = "llama", num_layers: int = 2) -> str:
+    """A random-weight model's config.json (2 layers unless told; vocab 512, hidden 64, 4 query / 2 KV heads of 16)
+    in `directory`, for --model DIR --load-format dummy. Returns the directory as a string."""
     import json
     import os
 
     cfg = {"model_type": model_type, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
-           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "num_hidden_layers": num_layers, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 1024,
            "tie_word_embeddings": True, "eos_token_id": 2}
     os.makedirs(directory, exist_ok=True)

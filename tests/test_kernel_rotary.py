@@ -62,6 +62,14 @@ def test_kernel_equals_reference(d, hq, hkv, t, dtype):
     check(randn((t, hq, d), dtype, seed=d + t), randn((t, hkv, d), dtype, seed=d - t), cos, sin)
 
 
+@pytest.mark.parametrize("t", [37, 64])
+def test_many_programs_and_a_partial_last_one(t):
+    """More head rows than one program takes (16 at D = 128, 32 at D = 64), the last program partly masked."""
+    for d, hq, hkv in ((128, 4, 2), (64, 9, 3)):
+        cos, sin = cos_sin(t, d, torch.float16, seed=d)
+        check(randn((t, hq, d), torch.float16, seed=t), randn((t, hkv, d), torch.float16, seed=-t), cos, sin)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_views_of_a_wider_projection(dtype):
     """q and k are [T, H, D] views of slices of one fused qkv output: strides (W, D, 1), not contiguous."""
@@ -108,8 +116,9 @@ PTX = textwrap.dedent('''
     from triton.compiler import ASTSource
     from oasiskv.kernels import rotary
     kernel, names = rotary._rotary_qk_kernel, rotary._rotary_qk_kernel.arg_names
-    sig = {n: "*" + sys.argv[1] if n.endswith("_ptr") else "constexpr" if n == "BLOCK_H" else "i32" for n in names}
-    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index("BLOCK_H"),): 64})
+    sig = {n: "*" + sys.argv[1] if n.endswith("_ptr") else "constexpr" if n.startswith("BLOCK_") else "i32"
+           for n in names}
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index("BLOCK_H"),): 64, (names.index("BLOCK_R"),): 16})
     print(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=rotary._COMPILE_OPTIONS).asm["ptx"])
 ''')
 

@@ -21,16 +21,26 @@ def tiny_llama():
     return model
 
 
-def twin_keep(rule, q, k, first_pos):
+def twin_keep(rule, q, k, first_pos, scale=1.0):
     """The twin's key mask for rows q [Hq, Sq, D] at positions first_pos.. over keys k [Hkv, S, D]."""
     group = q.shape[0] // k.shape[0]
     logits = q @ k.repeat_interleave(group, 0).transpose(1, 2)
     causal = torch.arange(k.shape[1])[None] <= (torch.arange(q.shape[1]) + first_pos)[:, None]
     probs = logits.masked_fill(~causal, float("-inf")).softmax(-1)
-    scores = twin.head_scores(rule, q, k, probs).view(k.shape[0], group, q.shape[1], -1).amax(1)
+    scores = twin.head_scores(rule, q, k, probs, scale).view(k.shape[0], group, q.shape[1], -1).amax(1)
     if not rule.per_kv_head:
         scores = scores.sum(0, keepdim=True)
     return twin.selected_keys(rule, scores, k.shape[1], first_pos), probs
+
+
+def engine_keep(scores: torch.Tensor, n: int, s: int, seen: int) -> torch.Tensor:
+    """The keys the engine's selection (8 blocks of 16: 1 sink, 4 local, 3 by score) keeps from one row's scores."""
+    _, chosen = select_blocks_padded(scores, torch.tensor([n]), 8, 1, 4)
+    expect = torch.zeros(s, dtype=torch.bool)
+    for b in chosen[0].tolist():
+        expect[b * 16:(b + 1) * 16] = True
+    expect[seen:] = False
+    return expect
 
 
 def test_bound_selection_equals_the_engines_quest_kernel_reference():
@@ -45,12 +55,31 @@ def test_bound_selection_equals_the_engines_quest_kernel_reference():
         summaries = torch.stack(twin.block_summaries(k[:, :seen], 16), 0).permute(2, 0, 1, 3)  # [n, 2, Hkv, D]
         scores = block_scores_reference(q[:, i][None], summaries, torch.arange(n, dtype=torch.int32)[None],
                                         torch.tensor([n], dtype=torch.int32))
-        _, chosen = select_blocks_padded(scores, torch.tensor([n]), 8, 1, 4)
-        expect = torch.zeros(s, dtype=torch.bool)
-        for b in chosen[0].tolist():
-            expect[b * 16:(b + 1) * 16] = True
-        expect[seen:] = False
+        expect = engine_keep(scores, n, s, seen)
         assert torch.equal(keep[0, i], expect)
+
+
+def test_mass_selection_equals_the_engines_mass_reference():
+    from oasiskv.kernels.block_mass import block_mass_scores_multi_reference
+
+    torch.manual_seed(7)
+    hq, hkv, d, s, sq, scale = 4, 2, 8, 300, 5, 0.35
+    q, k = torch.randn(hq, sq, d) * 2, torch.randn(hkv, s, d)
+    rule = twin.Rule("mass", 16, False, 128)
+    keep, _ = twin_keep(rule, q, k, s - sq, scale)
+    changed = False
+    for i in range(sq):
+        seen = s - sq + i + 1
+        n = -(-seen // 16)
+        summaries = torch.stack(twin.block_summaries(k[:, :seen], 16), 0).permute(2, 0, 1, 3)  # [n, 2, Hkv, D]
+        scores = block_mass_scores_multi_reference(q[:, i][None, None], summaries,
+                                                   torch.arange(n, dtype=torch.int32)[None],
+                                                   torch.tensor([[n]], dtype=torch.int32), scale)[0]
+        expect = engine_keep(scores, n, s, seen)
+        assert torch.equal(keep[0, i], expect)
+        bound_keep, _ = twin_keep(twin.Rule("bound", 16, False, 128), q, k, s - sq)
+        changed |= not torch.equal(bound_keep[0, i], expect)
+    assert changed  # the mass rule is not the bound's under another name
 
 
 @pytest.mark.parametrize("per_kv_head", [False, True])

@@ -13,6 +13,8 @@ from oasiskv.api import LLM, SamplingParams
 from oasiskv.config import EngineConfig, KVConfig, SamplingParams as SP, SchedulerConfig, CacheConfig
 from oasiskv.engine.engine import LLMEngine
 
+from tests.helpers import write_tiny_config
+
 ALICE = ("Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to "
          "do: once or twice she had peeped into the book her sister was reading, but it had no pictures or "
          "conversations in it, 'and what is the use of a book,' thought Alice 'without pictures or conversations?' ")
@@ -49,8 +51,9 @@ def test_small_budget_is_really_sparse_and_quest_equals_retrieval():
     assert stats["kv_selected_blocks"] == stats["kv_hits"] + stats["kv_misses"]
 
 
-def make_engine(mode: str) -> LLMEngine:
-    cfg = EngineConfig(show_progress=False, kv=KVConfig(mode=mode, budget=64, sink_blocks=1, local_blocks=1),
+def make_engine(mode: str, model: str) -> LLMEngine:
+    cfg = EngineConfig(model=model, load_format="dummy", show_progress=False,
+                       kv=KVConfig(mode=mode, budget=64, sink_blocks=1, local_blocks=1),
                        cache=CacheConfig(kv_cache_gb=0.2), scheduler=SchedulerConfig(max_num_batched_tokens=128))
     return LLMEngine(cfg)
 
@@ -81,9 +84,12 @@ def check_blocks(quest: LLMEngine, retrieval: LLMEngine) -> int:
 
 
 @pytest.mark.slow
-def test_retrieval_matches_quest_for_500_steps_with_spills_and_no_stale_block():
-    quest, retrieval = make_engine("quest"), make_engine("retrieval")
-    params = SP(temperature=0, max_tokens=520, ignore_eos=True)
+def test_retrieval_matches_quest_for_500_steps_with_spills_and_no_stale_block(tmp_path):
+    """A 16-layer random-weight model (the host store's bookkeeping does not depend on the weights; SmolLM2 took
+    ~2.5 min here), sampled with a seed so that queries and selections keep changing; text is read as bytes."""
+    tiny = write_tiny_config(tmp_path / "tiny", num_layers=16)
+    quest, retrieval = make_engine("quest", tiny), make_engine("retrieval", tiny)
+    params = SP(temperature=1.0, seed=7, max_tokens=520, ignore_eos=True)
     for i, prompt in enumerate(PROMPTS[:2]):
         quest.add_request(prompt, params, request_id=str(i))
         retrieval.add_request(prompt, params, request_id=str(i))
@@ -94,7 +100,7 @@ def test_retrieval_matches_quest_for_500_steps_with_spills_and_no_stale_block():
         steps += 1
         for rid in quest.requests:
             assert quest.requests[rid].output_token_ids == retrieval.requests[rid].output_token_ids, (rid, steps)
-        if steps % 100 == 0:
+        if steps % 50 == 0:
             compared += check_blocks(quest, retrieval)
     assert not retrieval.has_unfinished() and steps >= 520
     stats = retrieval.stats_dict()
