@@ -45,8 +45,9 @@ class Rule:
     block: int  # tokens per block
     per_kv_head: bool  # one selection per KV head, else one per layer
     budget: int  # tokens attended per row and layer (per KV head with per_kv_head)
-    # bound only: tokens per min/max summary, a divisor of block (default: block). A block's bound is then the
-    # largest of its sub-blocks' bounds: still an upper bound of q.k over the block, and a tighter one
+    # bound and mass: tokens per min/max summary, a divisor of block (default: block). A block's bound is then the
+    # largest of its sub-blocks' bounds: still an upper bound of q.k over the block, and a tighter one; its mass
+    # the sum of its sub-blocks' estimated masses
     summary: int | None = None
 
     @property
@@ -94,17 +95,25 @@ def head_scores(rule: Rule, q: torch.Tensor, keys: torch.Tensor, probs: torch.Te
 
 def mass_scores(rule: Rule, q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
     """The engine's mass score (kernels/block_mass.py) per query head: estimated logits q.centre +
-    RADIUS_WEIGHT |q|.radius through a softmax over each row's blocks but its tail. [Hq, Sq, NB]."""
+    RADIUS_WEIGHT |q|.radius through a softmax over each row's blocks but its tail. [Hq, Sq, NB]. With
+    sub-block summaries the softmax runs over sub-blocks (but the tail block's) and each block sums its own."""
     from oasiskv.kernels.block_mass import RADIUS_WEIGHT
 
-    group, sq = q.shape[0] // keys.shape[0], q.shape[1]
-    lo, hi = (x.repeat_interleave(group, 0) for x in block_summaries(keys, rule.block))
+    group, sq, sub = q.shape[0] // keys.shape[0], q.shape[1], rule.summary or rule.block
+    lo, hi = (x.repeat_interleave(group, 0) for x in block_summaries(keys, sub))
     centre, radius = (lo + hi) / 2, (hi - lo) / 2 * RADIUS_WEIGHT
-    logits = (q @ centre.transpose(1, 2) + q.abs() @ radius.transpose(1, 2)) * scale  # [Hq, Sq, NB]
+    logits = (q @ centre.transpose(1, 2) + q.abs() @ radius.transpose(1, 2)) * scale  # [Hq, Sq, sub-blocks]
     blocks_seen = -(-(torch.arange(sq, device=q.device) + keys.shape[1] - sq + 1) // rule.block)
-    normalised = torch.arange(logits.shape[-1], device=q.device)[None] < blocks_seen[:, None] - 1
+    per_block = rule.block // sub
+    tail_start = (blocks_seen - 1) * per_block  # the first sub-block of each row's tail block
+    normalised = torch.arange(logits.shape[-1], device=q.device)[None] < tail_start[:, None]
     lse = logits.masked_fill(~normalised[None], float("-inf")).logsumexp(-1, keepdim=True)
-    return torch.where(lse > float("-inf"), (logits - lse).exp(), torch.zeros_like(logits))
+    mass = torch.where(lse > float("-inf"), (logits - lse).exp(), torch.zeros_like(logits))
+    if per_block == 1:
+        return mass
+    nb = -(-mass.shape[-1] // per_block)
+    mass = torch.nn.functional.pad(mass, (0, nb * per_block - mass.shape[-1]))
+    return mass.view(*mass.shape[:-1], nb, per_block).sum(-1)
 
 
 def selected_keys(rule: Rule, scores: torch.Tensor, num_keys: int, first_pos: int) -> torch.Tensor:
@@ -234,11 +243,11 @@ def parse_rules(args) -> list[Rule]:
 
 
 def sub_summaries(args, score: str, block: int) -> list[int]:
-    """--summary-tokens that apply to this rule: the bound's, divisors of the block below its size."""
+    """--summary-tokens that apply to this rule: the bound's and mass's, divisors of the block below its size."""
     subs = [int(t) for t in args.summary_tokens.split(",")] if args.summary_tokens else []
     if any(t < 1 for t in subs):
         raise SystemExit("error: --summary-tokens must be positive")
-    return [t for t in subs if score == "bound" and t < block and block % t == 0]
+    return [t for t in subs if score in ("bound", "mass") and t < block and block % t == 0]
 
 
 def windows_for(path: str, args) -> list[list[int]]:
@@ -309,7 +318,7 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=2048)
     p.add_argument("--block-sizes", default="4,8,16,32")
     p.add_argument("--scores", default="bound,oracle", help="any of bound, mass, oracle")
-    p.add_argument("--summary-tokens", default="", help="also bound rules whose blocks keep min/max summaries of "
+    p.add_argument("--summary-tokens", default="", help="also bound and mass rules whose blocks keep min/max summaries of "
                    "this many tokens each (divisors of the block size), e.g. 8 or 4,8")
     p.add_argument("--per-kv-head", action=argparse.BooleanOptionalAction, default=True,
                    help="also one selection per KV head (default: yes)")

@@ -69,6 +69,20 @@ def score_rules(labels: list[str], per_task: dict[str, list[list[dict]]]) -> lis
     return rows
 
 
+def join_runs(paths: list[str]) -> list[dict]:
+    """One table from runs over different tasks (say, one process per task) with the same rules."""
+    labels, per_task = None, {}
+    for path in paths:
+        with open(path) as f:
+            run = json.load(f)
+        mine = [r["rule"] for r in run["results"]]
+        if labels not in (None, mine):
+            raise SystemExit(f"error: {path} has other rules than the runs before it")
+        labels = mine
+        per_task.update(run["per_task"])
+    return score_rules(labels, per_task)
+
+
 def print_table(rows: list[dict]) -> None:
     tasks = list(rows[0]["tasks"])
     print(f"{'rule':34} " + " ".join(f"{t:>15}" for t in tasks) + f" {'mean':>6} {'drop':>6} {'same answers':>12}")
@@ -106,7 +120,12 @@ def main() -> None:
                    help="also one selection per KV head (default: yes)")
     p.add_argument("--corpus", default="austen")
     p.add_argument("--json", default=None)
+    p.add_argument("--join", nargs="+", default=None, metavar="RUN.json",
+                   help="print one table of runs made on different tasks with the same rules, instead of running")
     args = p.parse_args()
+    if args.join:
+        print_table(join_runs(args.join))
+        return
     from oasiskv.evals.synthetic import string_match_all
     from oasiskv.models.loader import embedded_default_path
 
@@ -130,7 +149,7 @@ def main() -> None:
     if args.json:
         texts = {t: [[hay.tokenizer.decode(r["tokens"]) for r in s] for s in v] for t, v in per_task.items()}
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": rows, "answers": texts}, f, indent=1)
+            json.dump({"args": vars(args), "results": rows, "answers": texts, "per_task": per_task}, f)
         print(f"wrote {args.json}")
 
 

@@ -172,3 +172,26 @@ def test_a_small_budget_changes_the_rows(tiny_llama):
     window = torch.randint(0, 97, (400,)).tolist()
     dense, sparse = twin.scored_rows(tiny_llama, window, 8, [None, twin.Rule("bound", 16, False, 80)])
     assert (dense - sparse).abs().max() > 1e-4
+
+
+def test_mass_with_sub_block_summaries_sums_each_blocks_share():
+    """Brute force for each row and head: every 4-token sub-block's estimate (centre and half the radius), a
+    softmax over the sub-blocks before the row's tail block, and each 16-token block's sum of its shares."""
+    from oasiskv.kernels.block_mass import RADIUS_WEIGHT
+
+    torch.manual_seed(8)
+    q, k, scale, s = torch.randn(4, 3, 8), torch.randn(2, 100, 8), 0.4, 100
+    got = twin.head_scores(twin.Rule("mass", 16, False, 64, summary=4), q, k, torch.zeros(4, 3, s), scale)
+    for h in range(4):
+        for i in range(3):
+            tail = (s - 3 + i) // 16  # the row at position s - 3 + i sits in this block
+            estimates = []
+            for sb in range(tail * 4):
+                keys = k[h // 2, sb * 4:sb * 4 + 4]
+                lo, hi = keys.amin(0), keys.amax(0)
+                estimates.append(float(q[h, i] @ ((lo + hi) / 2) + q[h, i].abs() @ ((hi - lo) / 2) * RADIUS_WEIGHT))
+            shares = torch.tensor(estimates).mul(scale).softmax(0).view(tail, 4).sum(-1)
+            torch.testing.assert_close(got[h, i, :tail], shares, rtol=1e-5, atol=1e-6)
+    args = type("A", (), {"scores": "mass", "block_sizes": "16", "budget": 128, "per_kv_head": False,
+                          "summary_tokens": "4"})
+    assert [r.label for r in twin.parse_rules(args)] == ["mass block 16", "mass block 16 (4-token summaries)"]
