@@ -49,11 +49,15 @@ class Rule:
     # largest of its sub-blocks' bounds: still an upper bound of q.k over the block, and a tighter one; its mass
     # the sum of its sub-blocks' estimated masses
     summary: int | None = None
+    # one selection per layer: how the KV heads' scores (each the best of its group's heads) combine: "sum" (the
+    # engine's) or "max" (a block one head wants ranks by that head's score alone)
+    combine: str = "sum"
 
     @property
     def label(self) -> str:
         sub = f" ({self.summary}-token summaries)" if self.summary not in (None, self.block) else ""
-        return f"{self.score} block {self.block}{sub}" + (" per KV head" if self.per_kv_head else "")
+        combined = " per KV head" if self.per_kv_head else " max over KV heads" if self.combine == "max" else ""
+        return f"{self.score} block {self.block}{sub}{combined}"
 
 
 active: Rule | None = None  # the rule of the scored pass now running; the prefix pass is always dense
@@ -116,6 +120,11 @@ def mass_scores(rule: Rule, q: torch.Tensor, keys: torch.Tensor, scale: float) -
     return mass.view(*mass.shape[:-1], nb, per_block).sum(-1)
 
 
+def combine_kv_heads(rule: Rule, scores: torch.Tensor) -> torch.Tensor:
+    """[Hkv, Sq, NB] -> the layer's one selection's scores [1, Sq, NB]."""
+    return scores.amax(0, keepdim=True) if rule.combine == "max" else scores.sum(0, keepdim=True)
+
+
 def selected_keys(rule: Rule, scores: torch.Tensor, num_keys: int, first_pos: int) -> torch.Tensor:
     """scores [X, Sq, NB] (X = 1, or KV heads) -> bool [X, Sq, num_keys]: the keys each row attends to.
     Row i sits at position first_pos + i and sees keys 0 .. first_pos + i."""
@@ -153,7 +162,7 @@ def twin_attention(module, query, key, value, attention_mask, scaling=None, drop
         scores = head_scores(active, q, k, logits.softmax(-1), scaling)
         scores = scores.view(-1, group, sq, scores.shape[-1]).amax(1)  # best head of each KV group
         if not active.per_kv_head:
-            scores = scores.sum(0, keepdim=True)
+            scores = combine_kv_heads(active, scores)
         keep = selected_keys(active, scores, s, s - sq)
         if active.per_kv_head:
             keep = keep.repeat_interleave(group, 0)
@@ -235,11 +244,19 @@ def parse_rules(args) -> list[Rule]:
                 raise SystemExit(f"error: block size {block} must divide --budget {args.budget}")
             if -(-SINK_TOKENS // block) + -(-LOCAL_TOKENS // block) > args.budget // block:
                 raise SystemExit(f"error: sink and local window exceed the budget at block size {block}")
-            for per_head in (False, True) if args.per_kv_head else (False,):
-                rules.append(Rule(score, block, per_head, args.budget))
-                for sub in sub_summaries(args, score, block):
-                    rules.append(Rule(score, block, per_head, args.budget, sub))
+            for sub in [None, *sub_summaries(args, score, block)]:
+                for combine in combines(args):
+                    rules.append(Rule(score, block, False, args.budget, sub, combine))
+                if args.per_kv_head:
+                    rules.append(Rule(score, block, True, args.budget, sub))
     return rules
+
+
+def combines(args) -> list[str]:
+    combine = getattr(args, "combine", "sum").split(",")
+    if not set(combine) <= {"sum", "max"}:
+        raise SystemExit(f"error: --combine takes sum and max, not {args.combine!r}")
+    return combine
 
 
 def sub_summaries(args, score: str, block: int) -> list[int]:
@@ -322,6 +339,8 @@ def main() -> None:
                    "this many tokens each (divisors of the block size), e.g. 8 or 4,8")
     p.add_argument("--per-kv-head", action=argparse.BooleanOptionalAction, default=True,
                    help="also one selection per KV head (default: yes)")
+    p.add_argument("--combine", default="sum", help="per-layer selections: sum (the engine's) and/or max of the KV "
+                   "heads' scores, e.g. sum,max")
     p.add_argument("--corpus", default="austen")
     p.add_argument("--tie-nats", type=float, default=math.log(2))
     p.add_argument("--json", default=None)

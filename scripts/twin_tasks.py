@@ -118,6 +118,7 @@ def main() -> None:
     p.add_argument("--summary-tokens", default="", help="as scripts/selection_twin.py's")
     p.add_argument("--per-kv-head", action=argparse.BooleanOptionalAction, default=True,
                    help="also one selection per KV head (default: yes)")
+    p.add_argument("--combine", default="sum", help="as scripts/selection_twin.py's")
     p.add_argument("--corpus", default="austen")
     p.add_argument("--json", default=None)
     p.add_argument("--join", nargs="+", default=None, metavar="RUN.json",

@@ -29,7 +29,7 @@ def twin_keep(rule, q, k, first_pos, scale=1.0):
     probs = logits.masked_fill(~causal, float("-inf")).softmax(-1)
     scores = twin.head_scores(rule, q, k, probs, scale).view(k.shape[0], group, q.shape[1], -1).amax(1)
     if not rule.per_kv_head:
-        scores = scores.sum(0, keepdim=True)
+        scores = twin.combine_kv_heads(rule, scores)
     return twin.selected_keys(rule, scores, k.shape[1], first_pos), probs
 
 
@@ -82,12 +82,12 @@ def test_mass_selection_equals_the_engines_mass_reference():
     assert changed  # the mass rule is not the bound's under another name
 
 
-@pytest.mark.parametrize("per_kv_head", [False, True])
-def test_oracle_selection_keeps_the_blocks_of_most_attention_mass(per_kv_head):
+@pytest.mark.parametrize("per_kv_head,combine", [(False, "sum"), (False, "max"), (True, "sum")])
+def test_oracle_selection_keeps_the_blocks_of_most_attention_mass(per_kv_head, combine):
     torch.manual_seed(2)
     hq, hkv, d, s, sq, block = 4, 2, 8, 300, 3, 8
     q, k = torch.randn(hq, sq, d) * 2, torch.randn(hkv, s, d)
-    rule = twin.Rule("oracle", block, per_kv_head, 128)  # 16 blocks: 2 sink (16 tokens), 8 local (64), 6 by mass
+    rule = twin.Rule("oracle", block, per_kv_head, 128, combine=combine)  # 16 blocks: 2 sink, 8 local, 6 by mass
     keep, probs = twin_keep(rule, q, k, s - sq)
     for i in range(sq):
         n = -(-(s - sq + i + 1) // block)
@@ -100,7 +100,8 @@ def test_oracle_selection_keeps_the_blocks_of_most_attention_mass(per_kv_head):
             return max(mass(2 * g, b), mass(2 * g + 1, b))
 
         for x in range(hkv if per_kv_head else 1):
-            score = {b: best_of_group(x, b) if per_kv_head else sum(best_of_group(g, b) for g in range(hkv))
+            over_groups = max if combine == "max" else sum
+            score = {b: best_of_group(x, b) if per_kv_head else over_groups(best_of_group(g, b) for g in range(hkv))
                      for b in range(n)}
             free = sorted((b for b in range(n) if b not in forced), key=lambda b: -score[b])
             got = {j // block for j in keep[x, i].nonzero().flatten().tolist()}
@@ -195,3 +196,8 @@ def test_mass_with_sub_block_summaries_sums_each_blocks_share():
     args = type("A", (), {"scores": "mass", "block_sizes": "16", "budget": 128, "per_kv_head": False,
                           "summary_tokens": "4"})
     assert [r.label for r in twin.parse_rules(args)] == ["mass block 16", "mass block 16 (4-token summaries)"]
+    args.combine, args.per_kv_head = "sum,max", True
+    assert [r.label for r in twin.parse_rules(args)] == [
+        "mass block 16", "mass block 16 max over KV heads", "mass block 16 per KV head",
+        "mass block 16 (4-token summaries)", "mass block 16 (4-token summaries) max over KV heads",
+        "mass block 16 (4-token summaries) per KV head"]
