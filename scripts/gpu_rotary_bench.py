@@ -2,7 +2,8 @@
 16K prefill of qwen3-8b's heads and SmolLM2's, q and k as views of one fused qkv output (as the model passes them).
 Prints microseconds, GB/s of the bytes it must move, and a device copy of as many bytes in the same process; with
 --compare-file, the same for another version of the module (e.g. `git show REV:oasiskv/kernels/rotary.py`), after
-checking that both give the torch reference's bits.
+checking that both give the torch reference's bits. Each launch is timed alone, Python's launch path included, as
+an eager prefill runs it (scripts/gpu_select_bench.py's per_call_us times CUDA-graph replays instead, as decode runs).
 
     python scripts/gpu_rotary_bench.py --compare-file /tmp/rotary_old.py --json rotary.json
 """
@@ -10,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 
 import torch
 
 sys.path.insert(0, ".")
+from oasiskv.bench.report import write_json  # noqa: E402
 from oasiskv.kernels import rotary  # noqa: E402
 
 SHAPES = [("qwen3-8b decode", 43, 32, 8, 128), ("qwen3-8b decode", 256, 32, 8, 128),
@@ -82,8 +83,7 @@ def main() -> None:
             rows.append(row)
             print(f"{name:18} {t:>6} {version:>10} {us:>8.1f} {row['gb_s']:>7} {copy_us:>8.1f} {row['copy_gb_s']:>9}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+        write_json(args.json, {"rows": rows}, torch.device("cuda"))
 
 
 if __name__ == "__main__":

@@ -253,7 +253,7 @@ def parse_rules(args) -> list[Rule]:
 
 
 def combines(args) -> list[str]:
-    combine = getattr(args, "combine", "sum").split(",")
+    combine = args.combine.split(",")
     if not set(combine) <= {"sum", "max"}:
         raise SystemExit(f"error: --combine takes sum and max, not {args.combine!r}")
     return combine

@@ -103,6 +103,11 @@ def samples_for(path: str, args) -> tuple[dict[str, list], object]:
     return {task: Synthetic(task).prepare(hay, args.context, settings) for task in args.tasks.split(",")}, hay
 
 
+def config_eos(config) -> list:
+    eos = getattr(config, "eos_token_id", None)
+    return [] if eos is None else eos if isinstance(eos, list) else [eos]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="a GGUF; default: the engine's (SmolLM2-135M-Instruct)")
@@ -134,7 +139,7 @@ def main() -> None:
     rules = twin.parse_rules(args)
     model = twin.load_model(path, getattr(torch, args.dtype))
     samples, hay = samples_for(path, args)
-    eos = set(hay.tokenizer.eos_token_ids) | {int(e) for e in _config_eos(model.config)}
+    eos = set(hay.tokenizer.eos_token_ids) | {int(e) for e in config_eos(model.config)}
     t0 = time.perf_counter()
     per_task = {}
     for task, items in samples.items():
@@ -152,11 +157,6 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": rows, "answers": texts, "per_task": per_task}, f)
         print(f"wrote {args.json}")
-
-
-def _config_eos(config) -> list:
-    eos = getattr(config, "eos_token_id", None)
-    return [] if eos is None else eos if isinstance(eos, list) else [eos]
 
 
 if __name__ == "__main__":

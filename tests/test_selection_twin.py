@@ -111,10 +111,10 @@ def test_oracle_selection_keeps_the_blocks_of_most_attention_mass(per_kv_head, c
 def test_the_rule_needs_room_for_sink_and_local_window():
     with pytest.raises(SystemExit, match="exceed the budget"):
         twin.parse_rules(type("A", (), {"scores": "bound", "block_sizes": "4", "budget": 64, "per_kv_head": False,
-                                           "summary_tokens": ""}))
+                                           "summary_tokens": "", "combine": "sum"}))
     with pytest.raises(SystemExit, match="must divide"):
         twin.parse_rules(type("A", (), {"scores": "bound", "block_sizes": "48", "budget": 64, "per_kv_head": False,
-                                           "summary_tokens": ""}))
+                                           "summary_tokens": "", "combine": "sum"}))
 
 
 def test_sub_block_summaries_give_a_tighter_bound_that_still_holds():
@@ -128,7 +128,7 @@ def test_sub_block_summaries_give_a_tighter_bound_that_still_holds():
     per_half = twin.head_scores(twin.Rule("bound", 8, False, 64), q, k, probs).view(4, 3, 4, 2).amax(-1)
     torch.testing.assert_close(halves, per_half)
     args = type("A", (), {"scores": "bound,oracle", "block_sizes": "16", "budget": 128, "per_kv_head": False,
-                          "summary_tokens": "8,5"})
+                          "summary_tokens": "8,5", "combine": "sum"})
     assert [r.label for r in twin.parse_rules(args)] == [
         "bound block 16", "bound block 16 (8-token summaries)", "oracle block 16"]
 
@@ -194,7 +194,7 @@ def test_mass_with_sub_block_summaries_sums_each_blocks_share():
             shares = torch.tensor(estimates).mul(scale).softmax(0).view(tail, 4).sum(-1)
             torch.testing.assert_close(got[h, i, :tail], shares, rtol=1e-5, atol=1e-6)
     args = type("A", (), {"scores": "mass", "block_sizes": "16", "budget": 128, "per_kv_head": False,
-                          "summary_tokens": "4"})
+                          "summary_tokens": "4", "combine": "sum"})
     assert [r.label for r in twin.parse_rules(args)] == ["mass block 16", "mass block 16 (4-token summaries)"]
     args.combine, args.per_kv_head = "sum,max", True
     assert [r.label for r in twin.parse_rules(args)] == [
