@@ -6,7 +6,7 @@ import json
 import sys
 
 from oasiskv.config import (BLOCK_SCORES, DRAFTS, KV_MODES, KV_TRANSFERS, MISS_POLICIES, ROLES, SCHEDULE_POLICIES,
-                            CacheConfig, DisaggConfig, EngineConfig, KVConfig, SamplingParams, SchedulerConfig)
+                            SELECT_PER, CacheConfig, DisaggConfig, EngineConfig, KVConfig, SamplingParams, SchedulerConfig)
 
 ENGINE_DEFAULTS, CACHE_DEFAULTS, SCHED_DEFAULTS, KV_DEFAULTS = EngineConfig(), CacheConfig(), SchedulerConfig(), KVConfig()
 DISAGG_DEFAULTS = DisaggConfig()
@@ -51,6 +51,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--block-score", default=KV_DEFAULTS.block_score, choices=BLOCK_SCORES,
                    help="how blocks are ranked: bound (Quest: upper bounds of q.k summed over heads) or mass (each "
                         "head's bounds through a softmax over the blocks, an estimate of its attention, then combined)")
+    k.add_argument("--select-per", default=KV_DEFAULTS.select_per, choices=SELECT_PER,
+                   help="layer: one selection per request and layer, every KV head attends to it; kv-head: each KV "
+                        "head selects its own blocks with its own --kv-budget (scored by its query heads only)")
     k.add_argument("--working-set", type=int, default=KV_DEFAULTS.working_set,
                    help="retrieval/oasis: KV tokens per request per layer kept on the GPU (default: --kv-budget); "
                         "more keeps recently used blocks resident, so fewer selected blocks miss")
@@ -100,6 +103,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     draft, draft_model = draft_args(args)
     kv = KVConfig(mode=args.kv_mode, budget=args.kv_budget, sink_blocks=args.sink_blocks,
                   local_blocks=args.local_blocks, dense_layers=args.dense_layers, block_score=args.block_score,
+                  select_per=args.select_per,
                   host_kv_gb=args.host_kv_gb,
                   working_set=args.working_set,
                   fetch_cap=args.fetch_cap, draft=draft, draft_model=draft_model, miss_policy=args.miss_policy)

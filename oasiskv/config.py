@@ -94,6 +94,9 @@ MISS_POLICIES = ("skip", "fetch", "fill")
 # how blocks are scored for selection: Quest's bound summed over heads, or each head's bounds through a softmax
 # over the blocks (an estimate of its attention mass) before the heads are combined (kernels/block_mass.py)
 BLOCK_SCORES = ("bound", "mass")
+# what one selection serves: every KV head of a layer (the blocks scored by all heads), or each KV head on its own
+# (its own blocks, its own budget; policies/per_kv_head.py)
+SELECT_PER = ("layer", "kv-head")
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,7 @@ class KVConfig:
     local_blocks: int = 4
     dense_layers: int = 0  # the first N layers attend densely (quest mode)
     block_score: str = "bound"  # bound | mass (BLOCK_SCORES)
+    select_per: str = "layer"  # layer | kv-head (SELECT_PER); kv-head: the budget is per KV head
     host_kv_gb: float | None = None  # host store size; default: what the machine can spare
     # retrieval, oasis: tokens per request per layer resident on the GPU (default: the budget). Room beyond
     # the budget keeps recently used blocks, so fewer selected blocks miss; attention still reads the budget
@@ -126,6 +130,10 @@ class KVConfig:
             raise ValueError(f"--kv-budget must be a positive multiple of the block size {block_size}, got {self.budget}")
         if self.block_score not in BLOCK_SCORES:
             raise ValueError(f"--block-score must be one of {', '.join(BLOCK_SCORES)}, got {self.block_score!r}")
+        if self.select_per not in SELECT_PER:
+            raise ValueError(f"--select-per must be one of {', '.join(SELECT_PER)}, got {self.select_per!r}")
+        if self.select_per != "layer" and self.mode == "dense":
+            raise ValueError("--select-per kv-head needs a sparse --kv-mode (dense selects nothing)")
         if self.sink_blocks < 0 or self.local_blocks < 1:
             raise ValueError("--sink-blocks must be >= 0 and --local-blocks >= 1 (the tail block is local)")
         if (self.sink_blocks + self.local_blocks) * block_size > self.budget:
@@ -152,6 +160,8 @@ class KVConfig:
         """This configuration for another mode (bench and eval run several from one set of flags):
         --working-set stays with the host modes and is dropped for those that hold everything on the GPU."""
         kv = dataclasses.replace(self, mode=mode, **changes)
+        if mode == "dense":  # dense selects nothing: a sweep's --select-per leaves it as it is
+            kv = dataclasses.replace(kv, select_per="layer")
         return kv if kv.offloaded else dataclasses.replace(kv, working_set=None)
 
     @property

@@ -11,9 +11,8 @@ import pytest
 
 from oasiskv.api import LLM
 from oasiskv.config import KVConfig
-from oasiskv.lookahead.teacher import TeacherDraft
 
-from tests.test_oasis import GREEDY, SPARSE, run
+from tests.test_oasis import SPARSE, run, run_with_perfect_draft
 from tests.test_sparse_modes import PROMPTS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,16 +55,9 @@ def test_retrieval_equals_quest_with_mass(quest_mass):
 
 def test_perfect_draft_with_full_cap_gives_quest_tokens_with_mass(quest_mass):
     llm = LLM(show_progress=False, kv_mode="oasis", fetch_cap=1.0, block_score="mass", **SPARSE)
-    engine = llm.engine
-    prompts = {str(i): engine.tokenizer.encode(p) for i, p in enumerate(LONG)}
-    engine.drafter = TeacherDraft({rid: len(p) for rid, p in prompts.items()},
-                                  {str(i): t for i, t in enumerate(quest_mass)})
-    for rid, ids in prompts.items():
-        engine.add_request(ids, GREEDY, request_id=rid)
-    while engine.has_unfinished():
-        engine.step()
-    assert [engine.requests[str(i)].output_token_ids for i in range(len(LONG))] == quest_mass
-    assert engine.stats_dict()["kv_prefetched_blocks"] > 0
+    oasis, stats = run_with_perfect_draft(llm, LONG, quest_mass)
+    assert oasis == quest_mass
+    assert stats["kv_prefetched_blocks"] > 0
 
 
 def test_unknown_block_score_is_a_clear_error():

@@ -25,22 +25,26 @@ def run(llm: LLM, prompts=PROMPTS, params=GREEDY):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+def run_with_perfect_draft(llm: LLM, prompts: list[str], reference: list[list[int]]) -> tuple[list[list[int]], dict]:
+    """Greedy tokens of `prompts` when every draft is the next token of `reference` (a run's outputs), and the
+    engine's stats."""
+    engine = llm.engine
+    ids = {str(i): engine.tokenizer.encode(p) for i, p in enumerate(prompts)}
+    engine.drafter = TeacherDraft({rid: len(p) for rid, p in ids.items()}, {str(i): t for i, t in enumerate(reference)})
+    for rid, prompt in ids.items():
+        engine.add_request(prompt, GREEDY, request_id=rid)
+    while engine.has_unfinished():
+        engine.step()
+    return [engine.requests[str(i)].output_token_ids for i in range(len(prompts))], engine.stats_dict()
+
+
 @pytest.mark.parametrize("miss_policy", ["skip", "fill"])  # no misses: nothing left out, nothing filled
 def test_perfect_draft_with_full_cap_gives_quest_tokens(miss_policy):
     long_prompts = PROMPTS[:2]  # 70 and 120 tokens: both outgrow the 4-block budget
     quest = run(LLM(show_progress=False, kv_mode="quest", **SPARSE), long_prompts)
     llm = LLM(show_progress=False, kv_mode="oasis", fetch_cap=1.0, miss_policy=miss_policy, **SPARSE)
-    engine = llm.engine
-    prompts = {str(i): engine.tokenizer.encode(p) for i, p in enumerate(long_prompts)}
-    reference = {str(i): t for i, t in enumerate(quest)}
-    engine.drafter = TeacherDraft({rid: len(p) for rid, p in prompts.items()}, reference)
-    for rid, ids in prompts.items():
-        engine.add_request(ids, GREEDY, request_id=rid)
-    while engine.has_unfinished():
-        engine.step()
-    oasis = [engine.requests[str(i)].output_token_ids for i in range(len(long_prompts))]
+    oasis, stats = run_with_perfect_draft(llm, long_prompts, quest)
     assert oasis == quest
-    stats = engine.stats_dict()
     assert stats["kv_prefetched_blocks"] > 0  # the context outgrows the budget: blocks really moved
     assert stats["kv_agreement"] > 0.9, stats["kv_agreement_per_layer"]
     # every token after a request's first (sampled by its prefill) had a draft, and the teacher was always right

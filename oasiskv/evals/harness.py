@@ -17,6 +17,7 @@ from oasiskv.evals.tasks import SYNTHETIC, Settings, build_task
 
 LOOKAHEAD_MODES = ("oasis",)  # modes that take a fetch cap, a draft source and a miss policy
 SCORING_MODES = ("quest", "retrieval", "oasis")  # modes that rank blocks by their summaries (--block-score)
+SELECTING_MODES = SCORING_MODES + ("oracle",)  # modes that select blocks (--select-per)
 
 
 @dataclass(frozen=True)
@@ -27,13 +28,15 @@ class Variant:
     draft: str | None = None
     block_score: str | None = None
     miss_policy: str | None = None
+    select_per: str | None = None
 
     @property
     def series(self) -> str:
         """The variant without its budget: a row of the table, a line of the plot (oasis@0.05, quest+mass,
-        oasis+mass+fill@0.05). The default block score and miss policy are not named."""
+        oasis+mass+fill@0.05, quest+kv-head). The default block score, miss policy and selection are not named."""
         text = self.mode
-        for value, default in ((self.block_score, KVConfig.block_score), (self.miss_policy, KVConfig.miss_policy)):
+        for value, default in ((self.block_score, KVConfig.block_score), (self.miss_policy, KVConfig.miss_policy),
+                               (self.select_per, KVConfig.select_per)):
             text += f"+{value}" if value not in (None, default) else ""
         text += f"@{self.fetch_cap:g}" if self.fetch_cap is not None else ""
         return text + (f" {self.draft}" if self.draft else "")
@@ -47,21 +50,25 @@ DENSE = Variant("dense")
 
 
 def expand_variants(modes: list[str], budgets: list[int], caps: list[float] | None, drafts: list[str] | None,
-                    block_scores: list[str] | None = None, miss_policies: list[str] | None = None) -> list[Variant]:
+                    block_scores: list[str] | None = None, miss_policies: list[str] | None = None,
+                    select_per: list[str] | None = None) -> list[Variant]:
     """Every non-dense mode at every budget; lookahead modes also at every cap, draft source and miss policy,
-    and the modes that score blocks at every block score."""
+    the modes that score blocks at every block score, and those that select at every --select-per."""
     out = []
     for mode in dict.fromkeys(modes):
         if mode == "dense":
             continue
         scores = list(dict.fromkeys(block_scores or [None])) if mode in SCORING_MODES else [None]
-        for score in scores:
-            for budget in budgets:
-                if mode in LOOKAHEAD_MODES:
-                    out += [Variant(mode, budget, c, d, score, m) for m in dict.fromkeys(miss_policies or [None])
-                            for c in caps or [None] for d in drafts or [None]]
-                else:
-                    out.append(Variant(mode, budget, block_score=score))
+        scopes = list(dict.fromkeys(select_per or [None])) if mode in SELECTING_MODES else [None]
+        for scope in scopes:
+            for score in scores:
+                for budget in budgets:
+                    if mode in LOOKAHEAD_MODES:
+                        out += [Variant(mode, budget, c, d, score, m, scope)
+                                for m in dict.fromkeys(miss_policies or [None])
+                                for c in caps or [None] for d in drafts or [None]]
+                    else:
+                        out.append(Variant(mode, budget, block_score=score, select_per=scope))
     return out
 
 
@@ -75,7 +82,7 @@ def split_runnable(variants: list[Variant], block_size: int) -> tuple[list[Varia
 
 def variant_config(base: EngineConfig, v: Variant) -> EngineConfig:
     changes = {}
-    for name in ("budget", "fetch_cap", "draft", "block_score", "miss_policy"):
+    for name in ("budget", "fetch_cap", "draft", "block_score", "miss_policy", "select_per"):
         if getattr(v, name) is not None:
             changes[name] = getattr(v, name)
     missing = [n for n in changes if n not in {f.name for f in dataclasses.fields(KVConfig)}]

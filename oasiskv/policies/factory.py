@@ -15,6 +15,7 @@ from oasiskv.policies.base import KVPolicy
 from oasiskv.policies.dense import DensePolicy
 from oasiskv.policies.oasis import OasisPolicy
 from oasiskv.policies.oracle import OraclePolicy
+from oasiskv.policies.per_kv_head import lane_config, lane_kv_config, per_kv_head
 from oasiskv.policies.sparse import QuestPolicy
 from oasiskv.policies.tiered import RetrievalPolicy
 
@@ -37,6 +38,9 @@ def build_kv(model_cfg: ModelConfig, cache: CacheConfig, kv: KVConfig, gpu_kv_bl
     (retrieval and oasis modes)."""
     kv.validate(cache.block_size, model_cfg.num_layers)
     bs, scale = cache.block_size, model_cfg.head_dim ** -0.5
+    lanes = model_cfg.num_kv_heads if kv.select_per == "kv-head" else 1
+    if lanes > 1:  # storage for one KV head a layer; the policy runs once per KV head (policies/per_kv_head.py)
+        model_cfg, kv = lane_config(model_cfg), lane_kv_config(kv, lanes)
     if kv.mode == "dense":
         pool = KVPool(model_cfg, gpu_kv_blocks, bs, dtype, device)
         return KVSetup(DensePolicy(pool, scale), BlockAllocator(gpu_kv_blocks), max_num_seqs, pool, None,
@@ -45,10 +49,16 @@ def build_kv(model_cfg: ModelConfig, cache: CacheConfig, kv: KVConfig, gpu_kv_bl
         blocks = gpu_kv_blocks if cache.num_kv_blocks else gpu_kv_blocks * bs // (bs + 1)  # room for summaries
         pool = KVPool(model_cfg, blocks, bs, dtype, device)
         summaries = BlockSummaries(model_cfg, blocks, dtype, device)
-        policy = (OraclePolicy if kv.mode == "oracle" else QuestPolicy)(pool, kv, summaries, bs, scale, device, timing)
+        policy_class = per_kv_head(OraclePolicy if kv.mode == "oracle" else QuestPolicy, lanes)
+        policy = policy_class(pool, kv, summaries, bs, scale, device, timing)
         return KVSetup(policy, BlockAllocator(blocks), max_num_seqs, pool, None, f"{kv.mode}: {blocks} GPU blocks")
+    tiered["policy_class"] = per_kv_head(tiered.get("policy_class") or tiered_policy(kv), lanes)
     return build_retrieval(model_cfg, cache, kv, gpu_kv_blocks, max_model_len, max_num_seqs, dtype, device, timing,
                            **tiered)
+
+
+def tiered_policy(kv: KVConfig) -> type:
+    return OasisPolicy if kv.mode == "oasis" else RetrievalPolicy
 
 
 def build_retrieval(model_cfg, cache, kv, gpu_kv_blocks, max_model_len, max_num_seqs, dtype, device,
@@ -67,7 +77,7 @@ def build_retrieval(model_cfg, cache, kv, gpu_kv_blocks, max_model_len, max_num_
     host = HostStore(model_cfg, store_blocks or host_blocks, bs, dtype, pin=device.type == "cuda")
     ws = WorkingSet(model_cfg.num_layers, rows, width, -(-max_model_len // bs) + 1, device)
     summaries = BlockSummaries(model_cfg, host_blocks, dtype, device)
-    policy_class = policy_class or (OasisPolicy if kv.mode == "oasis" else RetrievalPolicy)
+    policy_class = policy_class or tiered_policy(kv)
     policy = policy_class(pool, host, ws, kv, summaries, bs, model_cfg.head_dim ** -0.5, device, timing)
     return KVSetup(policy, BlockAllocator(host_blocks), rows, pool, host,
                    f"{kv.mode}: {host_blocks} host blocks ({host.kv.numel() * host.kv.element_size() / GiB:.1f} GiB), "

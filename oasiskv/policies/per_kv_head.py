@@ -1,0 +1,52 @@
+"""One selection per KV head (--select-per kv-head).
+
+The sparse policies select blocks per request and layer: all KV heads of the layer attend to the same
+blocks, ranked by all heads' scores together. Per KV head, each head gets its own selection and its own
+budget. The policies need no change for it: their storage (pool, host store, summaries, working set) is
+built for a "lane" model whose every layer is split into its KV heads, one KV head per lane
+(lane = layer x kv_heads + head), and attend() runs the policy once per lane on that head's group of
+query heads. A block of the lane model costs what a block of the model costs, so memory budgets, block
+ids and the scheduler are unchanged; host chunks and transfers are per lane (1/kv_heads of a block).
+Counters kept per layer (agreement per layer) are per lane."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from oasiskv.config import KVConfig, ModelConfig
+
+
+def lane_config(cfg: ModelConfig) -> ModelConfig:
+    """The model seen by per-KV-head storage: kv_heads times the layers, one KV head and its query group each."""
+    return dataclasses.replace(cfg, num_layers=cfg.num_layers * cfg.num_kv_heads, num_kv_heads=1,
+                               num_heads=cfg.num_heads // cfg.num_kv_heads)
+
+
+def lane_kv_config(kv: KVConfig, kv_heads: int) -> KVConfig:
+    """The first --dense-layers layers are their first dense_layers x kv_heads lanes."""
+    return dataclasses.replace(kv, dense_layers=kv.dense_layers * kv_heads)
+
+
+class PerKVHead:
+    """Put before a policy class (per_kv_head() does): its attend() runs once per lane."""
+
+    kv_heads = 1
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        group = q.shape[1] // self.kv_heads
+        out = torch.empty_like(q)
+        for head in range(self.kv_heads):
+            queries = slice(head * group, (head + 1) * group)
+            out[:, queries] = super().attend(layer * self.kv_heads + head, q[:, queries].contiguous(),
+                                             k[:, head:head + 1].contiguous(), v[:, head:head + 1].contiguous())
+        return out
+
+
+@functools.cache
+def per_kv_head(policy_class: type, kv_heads: int) -> type:
+    """policy_class with one selection per KV head of a model with kv_heads KV heads a layer (one KV head: itself)."""
+    if kv_heads == 1:
+        return policy_class
+    return type(f"PerKVHead{policy_class.__name__}", (PerKVHead, policy_class), {"kv_heads": kv_heads})

@@ -1,0 +1,112 @@
+"""--select-per kv-head: each KV head selects its own blocks. Against the transformers twin of
+scripts/selection_twin.py (teacher-forced rows), and exact where the sparse modes must be."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oasiskv.api import LLM
+from oasiskv.config import CacheConfig, EngineConfig, KVConfig, SchedulerConfig
+from oasiskv.evals.forced import teacher_forced
+from oasiskv.evals.harness import expand_variants
+from scripts import selection_twin as twin
+
+from tests.test_oasis import SPARSE, run, run_with_perfect_draft
+from tests.test_sparse_modes import PROMPTS
+
+LONG = PROMPTS[:2]  # 70 and 120 tokens: both outgrow the 4-block budget
+SCORED, BUDGET = 24, 96  # 6 blocks of 16: the sink, the 4-block local window (the twin's 64 tokens) and one more
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A random Llama with 3 KV heads, saved for the engine and kept for the twin. Its q and k weights are
+    scaled up so that attention is peaked and a selection changes the logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=1024,
+                         tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(3)
+            layer.self_attn.k_proj.weight.mul_(3)
+    path = tmp_path_factory.mktemp("tiny-3kv")
+    model.save_pretrained(path, safe_serialization=True)
+    model.set_attn_implementation(twin.register())
+    g = torch.Generator().manual_seed(3)
+    windows = [torch.randint(3, 97, (n,), generator=g).tolist() for n in (320, 260)]
+    return str(path), model, windows
+
+
+def engine_rows(path: str, windows, mode: str, score: str, select_per: str) -> list[torch.Tensor]:
+    kv = KVConfig(mode=mode, budget=BUDGET, block_score=score, select_per=select_per)
+    config = EngineConfig(model=path, dtype="float32", device="cpu", show_progress=False,
+                          cache=CacheConfig(num_kv_blocks=64), kv=kv, scheduler=SchedulerConfig(max_num_seqs=2))
+    return [torch.stack(s.rows) for s in teacher_forced(LLM.from_config(config), windows, SCORED, keep_rows=True)]
+
+
+@pytest.mark.parametrize("mode, score", [("quest", "bound"), ("quest", "mass"), ("oracle", "oracle")])
+def test_each_kv_head_selects_what_the_twin_selects(tiny, mode, score):
+    path, model, windows = tiny
+    engine_score = "bound" if mode == "oracle" else score  # oracle ranks by exact mass whatever --block-score says
+    per_layer, per_head = twin.Rule(score, 16, False, BUDGET), twin.Rule(score, 16, True, BUDGET)
+    expected = [twin.scored_rows(model, w, SCORED, [None, per_layer, per_head]) for w in windows]
+    for select_per, rule_index in (("layer", 1), ("kv-head", 2)):
+        got = engine_rows(path, windows, mode, engine_score, select_per)
+        for rows, (dense, *rules) in zip(got, expected):
+            torch.testing.assert_close(rows, (dense, *rules)[rule_index], atol=2e-5, rtol=0)
+    # the two rules really differ on these windows (else the comparison above would show nothing)
+    assert max((layer - head).abs().max().item() for _, layer, head in expected) > 1e-2
+
+
+@pytest.fixture(scope="module")
+def quest_per_head():
+    return run(LLM(show_progress=False, kv_mode="quest", select_per="kv-head", **SPARSE), LONG)
+
+
+def test_per_kv_head_changes_smollm2s_tokens(quest_per_head):
+    assert quest_per_head != run(LLM(show_progress=False, kv_mode="quest", **SPARSE), LONG)
+
+
+def test_retrieval_equals_quest_per_kv_head(quest_per_head):
+    llm = LLM(show_progress=False, kv_mode="retrieval", select_per="kv-head", **SPARSE)
+    assert run(llm, LONG) == quest_per_head
+    stats = llm.engine.stats_dict()
+    assert stats["kv_misses"] > 0 and stats["kv_fetched_blocks"] > 0  # the host store served every head
+
+
+def test_perfect_draft_with_full_cap_gives_quest_tokens_per_kv_head(quest_per_head):
+    llm = LLM(show_progress=False, kv_mode="oasis", fetch_cap=1.0, select_per="kv-head", **SPARSE)
+    oasis, stats = run_with_perfect_draft(llm, LONG, quest_per_head)
+    assert oasis == quest_per_head
+    assert stats["kv_prefetched_blocks"] > 0
+    assert len(stats["kv_agreement_per_layer"]) == 30 * 3  # one lane per layer and KV head
+
+
+@pytest.mark.parametrize("mode", ["quest", "oasis"])
+def test_budget_above_the_context_is_dense_per_kv_head(mode):
+    roomy = dict(kv_budget=2048, kv_cache_gb=0.2, host_kv_gb=0.5)
+    dense = run(LLM(show_progress=False, kv_mode="dense", kv_cache_gb=0.2), LONG)
+    assert run(LLM(show_progress=False, kv_mode=mode, select_per="kv-head", **roomy), LONG) == dense
+
+
+@pytest.mark.parametrize("kv, message", [
+    (KVConfig(mode="dense", select_per="kv-head"), "needs a sparse --kv-mode"),
+    (KVConfig(mode="quest", select_per="head"), "--select-per must be one of layer, kv-head"),
+])
+def test_impossible_selection_scope_is_a_clear_error(kv, message):
+    with pytest.raises(ValueError, match=message):
+        kv.validate(16, 30)
+
+
+def test_a_sweep_over_select_per_names_its_rows():
+    variants = expand_variants(["dense", "quest", "oasis", "oracle"], [2048], [0.05], None,
+                               select_per=["layer", "kv-head"])
+    assert [v.label for v in variants] == [
+        "quest budget=2048", "quest+kv-head budget=2048", "oasis@0.05 budget=2048", "oasis+kv-head@0.05 budget=2048",
+        "oracle budget=2048", "oracle+kv-head budget=2048"]
+    dense = KVConfig(mode="quest", select_per="kv-head").for_mode("dense")
+    assert dense.select_per == "layer"  # the dense anchor of a kv-head sweep
