@@ -54,6 +54,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--select-per", default=KV_DEFAULTS.select_per, choices=SELECT_PER,
                    help="layer: one selection per request and layer, every KV head attends to it; kv-head: each KV "
                         "head selects its own blocks with its own --kv-budget (scored by its query heads only)")
+    k.add_argument("--summary-tokens", type=int, default=KV_DEFAULTS.summary_tokens,
+                   help="tokens per min/max summary, a divisor of --block-size (default: the block size). A block is "
+                        "ranked by its sub-blocks (bound: the best one's; mass: their sum); block_size / N times the "
+                        "summaries' memory, and the same blocks move")
     k.add_argument("--working-set", type=int, default=KV_DEFAULTS.working_set,
                    help="retrieval/oasis: KV tokens per request per layer kept on the GPU (default: --kv-budget); "
                         "more keeps recently used blocks resident, so fewer selected blocks miss")
@@ -103,7 +107,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     draft, draft_model = draft_args(args)
     kv = KVConfig(mode=args.kv_mode, budget=args.kv_budget, sink_blocks=args.sink_blocks,
                   local_blocks=args.local_blocks, dense_layers=args.dense_layers, block_score=args.block_score,
-                  select_per=args.select_per,
+                  select_per=args.select_per, summary_tokens=args.summary_tokens,
                   host_kv_gb=args.host_kv_gb,
                   working_set=args.working_set,
                   fetch_cap=args.fetch_cap, draft=draft, draft_model=draft_model, miss_policy=args.miss_policy)

@@ -111,6 +111,10 @@ class KVConfig:
     dense_layers: int = 0  # the first N layers attend densely (quest mode)
     block_score: str = "bound"  # bound | mass (BLOCK_SCORES)
     select_per: str = "layer"  # layer | kv-head (SELECT_PER); kv-head: the budget is per KV head
+    # tokens per min/max summary, a divisor of the block size (default: the block size). Finer summaries rank blocks
+    # by their sub-blocks (bound: the best one's; mass: the sum of theirs) at block_size / summary_tokens times the
+    # summaries' memory; selection and transfers stay per block
+    summary_tokens: int | None = None
     host_kv_gb: float | None = None  # host store size; default: what the machine can spare
     # retrieval, oasis: tokens per request per layer resident on the GPU (default: the budget). Room beyond
     # the budget keeps recently used blocks, so fewer selected blocks miss; attention still reads the budget
@@ -134,6 +138,8 @@ class KVConfig:
             raise ValueError(f"--select-per must be one of {', '.join(SELECT_PER)}, got {self.select_per!r}")
         if self.select_per != "layer" and self.mode == "dense":
             raise ValueError("--select-per kv-head needs a sparse --kv-mode (dense selects nothing)")
+        if self.summary_tokens is not None and (self.summary_tokens < 1 or block_size % self.summary_tokens):
+            raise ValueError(f"--summary-tokens must divide the block size {block_size}, got {self.summary_tokens}")
         if self.sink_blocks < 0 or self.local_blocks < 1:
             raise ValueError("--sink-blocks must be >= 0 and --local-blocks >= 1 (the tail block is local)")
         if (self.sink_blocks + self.local_blocks) * block_size > self.budget:
@@ -161,7 +167,7 @@ class KVConfig:
         --working-set stays with the host modes and is dropped for those that hold everything on the GPU."""
         kv = dataclasses.replace(self, mode=mode, **changes)
         if mode == "dense":  # dense selects nothing: a sweep's --select-per leaves it as it is
-            kv = dataclasses.replace(kv, select_per="layer")
+            kv = dataclasses.replace(kv, select_per="layer", summary_tokens=None)
         return kv if kv.offloaded else dataclasses.replace(kv, working_set=None)
 
     @property
@@ -182,6 +188,16 @@ class KVConfig:
             raise ValueError(f"--draft-model needs --draft {heads}, got --draft {self.draft}")
         if self.miss_policy not in MISS_POLICIES:
             raise ValueError(f"--miss-policy must be one of {', '.join(MISS_POLICIES)}, got {self.miss_policy!r}")
+
+    def require_layer_layout(self, where: str) -> None:
+        """For what exchanges or combines whole layers' KV chunks, summaries and block scores."""
+        if self.select_per != "layer" or self.summary_tokens is not None:
+            raise ValueError(f"--select-per kv-head and --summary-tokens are not supported with {where} (it works on "
+                             "one selection, one KV chunk and one summary per layer and block)")
+
+    def summary_parts(self, block_size: int) -> int:
+        """Summaries per block."""
+        return block_size // (self.summary_tokens or block_size)
 
     def fetch_blocks(self, block_size: int) -> int:
         """Blocks a request may prefetch per layer per step (the fetch cap in blocks, rounded down)."""

@@ -58,7 +58,8 @@ def mass_rows(args, hq: int, hkv: int, d: int, hbm: float) -> list[dict]:
         bound_us = per_call_us(lambda: _launch_scores(q, summaries, tables, counts), args.layers)
         ref = block_mass._launch(q, summaries, tables, counts, d ** -0.5)
         for block_n, warps in itertools.product((16, 32, 64, 128), (2, 4, 8)):
-            run = lambda: block_mass._launch(q, summaries, tables, counts, d ** -0.5, block_n, warps)  # noqa: E731
+            run = lambda: block_mass._launch(q, summaries, tables, counts, d ** -0.5,  # noqa: E731
+                                             block_n=block_n, num_warps=warps)
             close = torch.allclose(run(), ref, rtol=1e-5, atol=1e-7)
             us = per_call_us(run, args.layers)
             row = {"nq": nq, "block_n": block_n, "num_warps": warps, "us": round(us, 2), "bound_us": round(bound_us, 2),
@@ -81,7 +82,8 @@ def bound_rows(args, hq: int, hkv: int, d: int, hbm: float) -> list[dict]:
         ref = _launch_scores(q, summaries, tables, counts)
         read = args.batch * args.blocks * summaries[0].numel() * summaries.element_size()
         for block_n, warps, stages in itertools.product((16, 32, 64, 128), (2, 4, 8), (None, 3)):
-            run = lambda: _launch_scores(q, summaries, tables, counts, block_n, warps, stages)  # noqa: E731
+            run = lambda: _launch_scores(q, summaries, tables, counts, block_n=block_n, num_warps=warps,  # noqa: E731
+                                         num_stages=stages)
             same = torch.equal(run(), ref)
             us = per_call_us(run, args.layers)
             row = {"nq": nq, "block_n": block_n, "num_warps": warps, "num_stages": stages, "us": round(us, 2),

@@ -40,7 +40,7 @@ def rule_scores(policy: QuestPolicy, layer: int, q: torch.Tensor, tables: torch.
     out = {"bound": block_scores_reference(q, summaries, tables, nblocks)}
     for weight in RADIUS_WEIGHTS:
         out[f"mass r={weight:g}"] = block_mass_scores_multi_reference(q[None], summaries, tables, nblocks[None],
-                                                                      policy.scale, weight)[0]
+                                                                      policy.scale, radius_weight=weight)[0]
     out["mean key r=0.5"] = mean_key_scores(policy, layer, q, tables, valid, 0.5)
     out["oracle"] = mass.amax(dim=2).sum(dim=1).masked_fill(~valid, float("-inf"))
     return out

@@ -17,10 +17,11 @@ from tests.test_kernel_block_select import SHAPES as SELECT_SHAPES, _case
 SHAPES = [*SELECT_SHAPES, (1, 4, 2, 16, 2100, [2100])]
 
 
-def _brute_force_mass(q, summaries, tables, nb, scale):
+def _brute_force_mass(q, summaries, tables, nb, scale, parts=1):
     """Straight from the definition, in float64: per head its estimates (centre plus the weighted radius, the
-    query's sign taken per channel), their exponentials over the sum of those of every block but the tail (0
-    for a one-block sequence), the best head of each KV group, summed over groups."""
+    query's sign taken per channel) of every block's parts, their exponentials over the sum of those of every
+    block but the tail (0 for a one-block sequence), each block's parts summed, the best head of each KV group,
+    summed over groups."""
     bsz, hq, d = q.shape
     hkv = summaries.shape[2]
     group = hq // hkv
@@ -30,16 +31,18 @@ def _brute_force_mass(q, summaries, tables, nb, scale):
         if n == 0:
             continue
         mass = torch.zeros(hq, n, dtype=torch.float64)
+        rows = [int(tables[b, j]) * parts + p for j in range(n) for p in range(parts)]
         for h in range(hq):
             g, qh = h // group, q[b, h].double()
             estimates = []
-            for j in range(n):
-                lo, hi = summaries[int(tables[b, j]), 0, g].double(), summaries[int(tables[b, j]), 1, g].double()
+            for row in rows:
+                lo, hi = summaries[row, 0, g].double(), summaries[row, 1, g].double()
                 estimates.append(sum(float(qh[i]) * (lo[i] + hi[i]) / 2 + RADIUS_WEIGHT * abs(float(qh[i])) *
                                      (hi[i] - lo[i]) / 2 for i in range(d)))
             e = torch.tensor(estimates, dtype=torch.float64) * scale
-            if n > 1:  # normalised over every block but the tail
-                mass[h] = torch.exp(e - e[:-1].max()) / torch.exp(e[:-1] - e[:-1].max()).sum()
+            if n > 1:  # normalised over the parts of every block but the tail
+                kept = e[:(n - 1) * parts]
+                mass[h] = (torch.exp(e - kept.max()) / torch.exp(kept - kept.max()).sum()).view(n, parts).sum(1)
         out[b, :n] = mass.view(hkv, group, n).amax(1).sum(0)
     return out
 
@@ -69,6 +72,20 @@ def test_triton_matches_reference(dtype, shape, nq):
     got = block_mass_scores_multi(q, s, tables, counts, scale).cpu()
     ref = block_mass_scores_multi_reference(q.cpu(), s.cpu(), tables.cpu(), counts.cpu(), scale)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("parts", [2, 4])
+@pytest.mark.parametrize("shape", SELECT_SHAPES)
+def test_sub_block_mass_matches_reference_and_brute_force(shape, parts):
+    q, s, tables, nb = _case(*shape, dtype=torch.float32, seed=3, parts=parts)
+    scale = 1 / math.sqrt(shape[3])
+    ref = block_mass_scores_multi_reference(q[None], s, tables, nb[None], scale, parts)[0]
+    torch.testing.assert_close(ref.double(), _brute_force_mass(q, s, tables, nb, scale, parts), rtol=1e-5, atol=1e-6)
+    counts = torch.stack([(nb - 1).clamp(min=0), nb]).contiguous()  # a draft scores one block more
+    q2 = torch.stack([q, q.flip(0)])
+    got = block_mass_scores_multi(q2.to(DEV), s.to(DEV), tables.to(DEV), counts.to(DEV), scale, parts).cpu()
+    torch.testing.assert_close(got, block_mass_scores_multi_reference(q2, s, tables, counts, scale, parts),
+                               rtol=1e-4, atol=1e-6)
 
 
 def test_one_head_sums_to_one_and_points_have_the_dot_product():

@@ -20,14 +20,15 @@ from oasiskv.kernels.block_summary import update_block_summaries
 from tests.kernel_device import DEV, INTERPRETED, ON_GPU  # noqa: E402
 
 
-def _case(bsz, hq, hkv, d, max_blocks, num_blocks_per_seq, dtype, seed=0, strided_q=False, device="cpu"):
+def _case(bsz, hq, hkv, d, max_blocks, num_blocks_per_seq, dtype, seed=0, strided_q=False, device="cpu", parts=1):
+    """parts: summaries per block (rows block x parts ..)."""
     g = torch.Generator().manual_seed(seed)
     phys_blocks = bsz * max_blocks + 5
     q = torch.randn(bsz, hq, d + (8 if strided_q else 0), generator=g).to(dtype)
     q = q.to(device)  # before slicing, so that the strided view reaches the kernel
     q = q[:, :, :d] if strided_q else q
-    lo = torch.randn(phys_blocks, hkv, d, generator=g)
-    hi = lo + torch.rand(phys_blocks, hkv, d, generator=g) * 2
+    lo = torch.randn(phys_blocks * parts, hkv, d, generator=g)
+    hi = lo + torch.rand(phys_blocks * parts, hkv, d, generator=g) * 2
     summaries = torch.stack([lo, hi], dim=1).to(dtype)
     # each sequence's blocks live at scattered physical ids; unused entries are garbage (-1)
     perm = torch.randperm(phys_blocks, generator=g)[: bsz * max_blocks].view(bsz, max_blocks)
@@ -37,22 +38,22 @@ def _case(bsz, hq, hkv, d, max_blocks, num_blocks_per_seq, dtype, seed=0, stride
     return q, summaries.to(device), tables.to(device), nb.to(device)
 
 
-def _brute_force_scores(q, summaries, tables, nb):
-    """Straight from the definition: float64 loops over sequences, blocks and heads."""
+def _brute_force_scores(q, summaries, tables, nb, parts=1):
+    """Straight from the definition: float64 loops over sequences, blocks, heads (and a block's parts)."""
     bsz, hq, d = q.shape
     hkv = summaries.shape[2]
     group = hq // hkv
     out = torch.full(tables.shape, -math.inf, dtype=torch.float64)
     for b in range(bsz):
         for j in range(int(nb[b])):
-            p = int(tables[b, j])
             total = 0.0
             for gi in range(hkv):
-                mn, mx = summaries[p, 0, gi].double(), summaries[p, 1, gi].double()
                 best = -math.inf
-                for h in range(gi * group, (gi + 1) * group):
-                    qh = q[b, h].double()
-                    best = max(best, float(torch.maximum(qh * mn, qh * mx).sum()))
+                for p in range(int(tables[b, j]) * parts, (int(tables[b, j]) + 1) * parts):
+                    mn, mx = summaries[p, 0, gi].double(), summaries[p, 1, gi].double()
+                    for h in range(gi * group, (gi + 1) * group):
+                        qh = q[b, h].double()
+                        best = max(best, float(torch.maximum(qh * mn, qh * mx).sum()))
                 total += best
             out[b, j] = total
     return out
@@ -92,6 +93,22 @@ def test_reference_matches_brute_force(dtype, shape):
     j = torch.arange(tables.shape[1])
     assert torch.all(ref[j[None] >= nb[:, None].long()] == -math.inf)
     torch.testing.assert_close(ref.double(), bf, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("parts", [2, 4])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_sub_block_scores_match_reference_and_brute_force(shape, parts):
+    """Sub-block summaries: per KV head the best head over the block's parts, summed over KV heads."""
+    q, s, tables, nb = _case(*shape, dtype=torch.float32, seed=2, parts=parts)
+    ref = block_scores_reference(q, s, tables, nb, parts)
+    torch.testing.assert_close(ref.double(), _brute_force_scores(q, s, tables, nb, parts), rtol=1e-5, atol=1e-4)
+    counts = torch.stack([(nb - 1).clamp(min=0), nb]).contiguous()
+    got = block_scores_multi(torch.stack([q, q.flip(0)]).to(DEV), s.to(DEV), tables.to(DEV), counts.to(DEV),
+                             parts).cpu()
+    expected = torch.stack([block_scores_reference(q, s, tables, counts[0], parts),
+                            block_scores_reference(q.flip(0), s, tables, counts[1], parts)])
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
 
 
 def test_score_is_an_upper_bound_end_to_end():

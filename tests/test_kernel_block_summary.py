@@ -82,6 +82,28 @@ def test_decode_append_recomputes_tail(kv_dtype):
         assert torch.equal(summaries[3, 1], keys.amax(dim=0))
 
 
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+@pytest.mark.parametrize("strided", [False, True])
+def test_first_token_summarises_a_blocks_last_part(kv_dtype, strided):
+    """Sub-block summaries: keys first_token .. num_tokens-1 of each block, against a brute force."""
+    block_size, hkv, d = 16, 3, 24
+    kv = _kv_layer(6, block_size, hkv, d, kv_dtype, strided, seed=2, device=DEV)
+    blocks = torch.tensor([4, 1, 5, 0], dtype=torch.int32)
+    first = torch.tensor([0, 4, 12, 8], dtype=torch.int32)
+    n = torch.tensor([3, 8, 16, 9], dtype=torch.int32)
+    rows = torch.tensor([2, 7, 0, 5], dtype=torch.int32)
+    init = torch.full((8, 2, hkv, d), 7.0)
+    args = (kv, blocks.to(DEV), n.to(DEV))
+    got = update_block_summaries(init.clone().to(DEV), *args, summary_ids=rows.to(DEV), first_token=first.to(DEV)).cpu()
+    ref = update_block_summaries_reference(init.clone(), kv.cpu(), blocks, n, summary_ids=rows, first_token=first)
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    for blk, f, m, row in zip(blocks.tolist(), first.tolist(), n.tolist(), rows.tolist()):
+        keys = kv.cpu()[blk, 0, f:m].float()
+        assert torch.equal(got[row, 0], keys.amin(0)) and torch.equal(got[row, 1], keys.amax(0))
+    untouched = [i for i in range(8) if i not in rows.tolist()]
+    assert torch.equal(got[untouched], init[untouched])
+
+
 def test_summary_ids_and_layer_view():
     block_size, hkv, d = 16, 2, 16
     kv = _kv_layer(6, block_size, hkv, d, torch.float32, strided=False, device=DEV)
@@ -126,5 +148,9 @@ def test_bad_arguments_raise(fn):
     for summaries, kv_layer, block_ids, num_tokens, msg in cases:
         with pytest.raises(ValueError, match=msg):
             fn(summaries, kv_layer, block_ids, num_tokens)
+    with pytest.raises(ValueError, match="first_token must be in"):
+        fn(s, kv, ids, n, first_token=torch.tensor([16], dtype=torch.int32))
+    with pytest.raises(ValueError, match="same length"):
+        fn(s, kv, ids, n, first_token=torch.tensor([0, 1], dtype=torch.int32))
     with pytest.raises(ValueError, match="summary_ids must be in"):
         fn(s, kv, ids, n, summary_ids=torch.tensor([-1], dtype=torch.int32))

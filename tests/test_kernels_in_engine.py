@@ -31,13 +31,14 @@ RUN = textwrap.dedent('''
     from oasiskv.engine.engine import LLMEngine
     tiny, lengths, forced = sys.argv[1], [int(x) for x in sys.argv[2].split(",")], sys.argv[3] == "1"
     block_score, miss_policy, select_per = sys.argv[4], sys.argv[5], sys.argv[6]
+    summary_tokens = int(sys.argv[7]) or None
     if forced:  # what the policies call on CUDA, in place of the torch twins they call on the CPU
         from tests.gpu_paths import force_gpu_kernel_paths
         force_gpu_kernel_paths()
     cfg = EngineConfig(model=tiny, load_format="dummy", show_progress=False,
                        kv=KVConfig(mode="oasis", budget=64, sink_blocks=1, local_blocks=1, fetch_cap=0.5,
                                    host_kv_gb=0.002, block_score=block_score, miss_policy=miss_policy,
-                                   select_per=select_per),
+                                   select_per=select_per, summary_tokens=summary_tokens),
                        cache=CacheConfig(kv_cache_gb=0.002), scheduler=SchedulerConfig(max_model_len=1024))
     engine = LLMEngine(cfg)
     g = torch.Generator().manual_seed(0)
@@ -51,24 +52,27 @@ RUN = textwrap.dedent('''
 ''')
 
 
-def generate(tiny: str, lengths: str, forced: bool, block_score: str, miss_policy: str, select_per: str) -> dict:
+def generate(tiny: str, lengths: str, forced: bool, block_score: str, miss_policy: str, select_per: str,
+             summary_tokens: int) -> dict:
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run([sys.executable, "-c", RUN, tiny, lengths, "1" if forced else "0", block_score,
-                           miss_policy, select_per], env=env,
+                           miss_policy, select_per, str(summary_tokens)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"exit {done.returncode} (-11: segfault, an out-of-bounds access)\n{done.stderr[-3000:]}"
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lengths, block_score, miss_policy, select_per", [
-    ("300", "bound", "skip", "layer"), ("300,90,200", "bound", "skip", "layer"), ("300,90,200", "mass", "skip", "layer"),
-    ("300,90,200", "bound", "fill", "layer"), ("300,90,200", "mass", "fill", "kv-head")],
-    ids=["one_request", "three_requests", "three_requests_mass", "three_requests_fill", "three_requests_per_kv_head"])
+@pytest.mark.parametrize("lengths, block_score, miss_policy, select_per, summary_tokens", [
+    ("300", "bound", "skip", "layer", 0), ("300,90,200", "bound", "skip", "layer", 0),
+    ("300,90,200", "mass", "skip", "layer", 0), ("300,90,200", "bound", "fill", "layer", 0),
+    ("300,90,200", "mass", "fill", "kv-head", 4)],
+    ids=["one_request", "three_requests", "three_requests_mass", "three_requests_fill",
+         "three_requests_per_kv_head_4_token_summaries"])
 def test_every_gpu_kernel_in_the_engine_gives_the_torch_tokens_and_counters(tmp_path, lengths, block_score,
-                                                                          miss_policy, select_per):
+                                                                          miss_policy, select_per, summary_tokens):
     tiny = write_tiny_config(tmp_path / "tiny")
-    run = dict(block_score=block_score, miss_policy=miss_policy, select_per=select_per)
+    run = dict(block_score=block_score, miss_policy=miss_policy, select_per=select_per, summary_tokens=summary_tokens)
     torch_path = generate(tiny, lengths, forced=False, **run)
     kernels = generate(tiny, lengths, forced=True, **run)
     assert kernels["tokens"] == torch_path["tokens"]

@@ -1,5 +1,6 @@
-"""--select-per kv-head: each KV head selects its own blocks. Against the transformers twin of
-scripts/selection_twin.py (teacher-forced rows), and exact where the sparse modes must be."""
+"""--select-per kv-head (each KV head selects its own blocks) and --summary-tokens (blocks ranked by their
+sub-blocks' summaries). Against the transformers twin of scripts/selection_twin.py (teacher-forced rows), and
+exact where the sparse modes must be."""
 from __future__ import annotations
 
 import pytest
@@ -41,8 +42,9 @@ def tiny(tmp_path_factory):
     return str(path), model, windows
 
 
-def engine_rows(path: str, windows, mode: str, score: str, select_per: str) -> list[torch.Tensor]:
-    kv = KVConfig(mode=mode, budget=BUDGET, block_score=score, select_per=select_per)
+def engine_rows(path: str, windows, mode: str, score: str, select_per: str,
+                summary_tokens: int | None = None) -> list[torch.Tensor]:
+    kv = KVConfig(mode=mode, budget=BUDGET, block_score=score, select_per=select_per, summary_tokens=summary_tokens)
     config = EngineConfig(model=path, dtype="float32", device="cpu", show_progress=False,
                           cache=CacheConfig(num_kv_blocks=64), kv=kv, scheduler=SchedulerConfig(max_num_seqs=2))
     return [torch.stack(s.rows) for s in teacher_forced(LLM.from_config(config), windows, SCORED, keep_rows=True)]
@@ -60,6 +62,20 @@ def test_each_kv_head_selects_what_the_twin_selects(tiny, mode, score):
             torch.testing.assert_close(rows, (dense, *rules)[rule_index], atol=2e-5, rtol=0)
     # the two rules really differ on these windows (else the comparison above would show nothing)
     assert max((layer - head).abs().max().item() for _, layer, head in expected) > 1e-2
+
+
+@pytest.mark.parametrize("score", ["bound", "mass"])
+@pytest.mark.parametrize("select_per", ["layer", "kv-head"])
+def test_sub_block_summaries_select_what_the_twin_selects(tiny, score, select_per):
+    """--summary-tokens 4: a block ranks by its 4-token sub-blocks (per head, mass: their sum, bound: the best
+    one's)."""
+    path, model, windows = tiny
+    whole, sub = (twin.Rule(score, 16, select_per == "kv-head", BUDGET, summary=s) for s in (None, 4))
+    expected = [twin.scored_rows(model, w, SCORED, [whole, sub]) for w in windows]
+    got = engine_rows(path, windows, "quest", score, select_per, summary_tokens=4)
+    for rows, (_, finer) in zip(got, expected):
+        torch.testing.assert_close(rows, finer, atol=2e-5, rtol=0)
+    assert max((a - b).abs().max().item() for a, b in expected) > 1e-2  # finer summaries change the rows
 
 
 @pytest.fixture(scope="module")
@@ -88,14 +104,26 @@ def test_perfect_draft_with_full_cap_gives_quest_tokens_per_kv_head(quest_per_he
 
 @pytest.mark.parametrize("mode", ["quest", "oasis"])
 def test_budget_above_the_context_is_dense_per_kv_head(mode):
-    roomy = dict(kv_budget=2048, kv_cache_gb=0.2, host_kv_gb=0.5)
+    roomy = dict(kv_budget=2048, kv_cache_gb=0.4, host_kv_gb=0.5, select_per="kv-head", summary_tokens=4)
     dense = run(LLM(show_progress=False, kv_mode="dense", kv_cache_gb=0.2), LONG)
-    assert run(LLM(show_progress=False, kv_mode=mode, select_per="kv-head", **roomy), LONG) == dense
+    assert run(LLM(show_progress=False, kv_mode=mode, **roomy), LONG) == dense
+
+
+def test_sub_block_summaries_keep_retrieval_and_a_perfect_oasis_equal_to_quest():
+    finer = dict(SPARSE, block_score="mass", select_per="kv-head", summary_tokens=4)
+    quest = run(LLM(show_progress=False, kv_mode="quest", **finer), LONG)
+    assert quest != run(LLM(show_progress=False, kv_mode="quest", **dict(finer, summary_tokens=None)), LONG)
+    assert run(LLM(show_progress=False, kv_mode="retrieval", **finer), LONG) == quest
+    oasis, stats = run_with_perfect_draft(LLM(show_progress=False, kv_mode="oasis", fetch_cap=1.0, **finer), LONG,
+                                          quest)
+    assert oasis == quest and stats["kv_prefetched_blocks"] > 0
 
 
 @pytest.mark.parametrize("kv, message", [
     (KVConfig(mode="dense", select_per="kv-head"), "needs a sparse --kv-mode"),
     (KVConfig(mode="quest", select_per="head"), "--select-per must be one of layer, kv-head"),
+    (KVConfig(mode="quest", summary_tokens=3), "--summary-tokens must divide the block size 16"),
+    (KVConfig(mode="quest", summary_tokens=0), "--summary-tokens must divide"),
 ])
 def test_impossible_selection_scope_is_a_clear_error(kv, message):
     with pytest.raises(ValueError, match=message):
@@ -108,5 +136,10 @@ def test_a_sweep_over_select_per_names_its_rows():
     assert [v.label for v in variants] == [
         "quest budget=2048", "quest+kv-head budget=2048", "oasis@0.05 budget=2048", "oasis+kv-head@0.05 budget=2048",
         "oracle budget=2048", "oracle+kv-head budget=2048"]
-    dense = KVConfig(mode="quest", select_per="kv-head").for_mode("dense")
-    assert dense.select_per == "layer"  # the dense anchor of a kv-head sweep
+    finer = expand_variants(["quest", "oasis"], [2048], [0.05], None, block_scores=["mass"], select_per=["kv-head"],
+                            summary_tokens=[None, 4])
+    assert [v.label for v in finer] == [
+        "quest+mass+kv-head budget=2048", "quest+mass+kv-head+sum4 budget=2048",
+        "oasis+mass+kv-head@0.05 budget=2048", "oasis+mass+kv-head+sum4@0.05 budget=2048"]
+    dense = KVConfig(mode="quest", select_per="kv-head", summary_tokens=4).for_mode("dense")
+    assert dense.select_per == "layer" and dense.summary_tokens is None  # the dense anchor of a sweep

@@ -40,15 +40,16 @@ def chunked(lengths_by_step: list[list[int]], seed: int):
     [[5, 6, 1], [7, 2, 9], [4, 13, 2]],  # chunks starting and ending mid-block, continued blocks
     [[3, 0, 4], [1, 3, 4], [0, 2, 4]],   # a block filled by three chunks; aligned chunks
 ])
-def test_chunk_summaries_equal_token_by_token(lengths_by_step):
-    fast = BlockSummaries(CFG, 40, torch.float32, torch.device("cpu"))
-    reference = BlockSummaries(CFG, 40, torch.float32, torch.device("cpu"))
+@pytest.mark.parametrize("parts", [1, 2, 4])  # sub-block summaries of 4, 2 and 1 tokens
+def test_chunk_summaries_equal_token_by_token(lengths_by_step, parts):
+    fast = BlockSummaries(CFG, 40, torch.float32, torch.device("cpu"), parts)
+    reference = BlockSummaries(CFG, 40, torch.float32, torch.device("cpu"), parts)
     garbage = torch.randn(fast.data.shape, generator=torch.Generator().manual_seed(1))
     fast.data.copy_(garbage)  # what freed blocks held: fresh blocks must not keep any of it
     reference.data.copy_(garbage)
     for spans, flat, blocks, offsets in chunked(lengths_by_step, seed=len(lengths_by_step)):
         fast.merge_spans(1, spans, flat, BS)
-        reference.merge_tokens(1, blocks, offsets, flat[2:])
+        reference.merge_tokens(1, blocks, offsets, flat[2:], BS)
         assert torch.equal(fast.data, reference.data)
     assert torch.equal(fast.data[0], garbage[0])  # the other layer is untouched
 
@@ -61,3 +62,22 @@ def test_bf16_keys_into_fp32_summaries_are_exact():
     for block_id, block in zip([3, 5, 6], blocks):
         assert torch.equal(summaries.data[0, block_id, 0], block.float().amin(0))
         assert torch.equal(summaries.data[0, block_id, 1], block.float().amax(0))
+
+
+@pytest.mark.parametrize("parts", [1, 2, 4])
+def test_a_decode_append_recomputes_the_tails_sub_block(parts):
+    """update_from after each appended key: every sub-block of the tail holds the min/max of its own keys, by
+    brute force; a reused block's stale keys beyond the fill never leak in."""
+    summaries = BlockSummaries(CFG, 6, torch.float32, torch.device("cpu"), parts)
+    summaries.data.fill_(99.0)
+    kv = torch.full((3, 2, BS, 2, 8), 50.0)  # a pool layer: 3 slots, stale keys everywhere
+    g, sub = torch.Generator().manual_seed(0), BS // parts
+    slot, host_block = torch.tensor([2], dtype=torch.int32), torch.tensor([5], dtype=torch.int32)
+    for t in range(BS):
+        kv[2, 0, t] = torch.randn(2, 8, generator=g)
+        summaries.update_from(0, kv, slot, torch.tensor([t + 1], dtype=torch.int32), host_block)
+        for p in range(t // sub + 1):
+            keys = kv[2, 0, p * sub: min(t + 1, (p + 1) * sub)]
+            row = summaries.data[0, 5 * parts + p]
+            assert torch.equal(row[0], keys.amin(0)) and torch.equal(row[1], keys.amax(0))
+    assert bool((summaries.data[0, :5 * parts] == 99.0).all())  # other blocks' rows untouched

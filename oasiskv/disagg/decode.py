@@ -25,9 +25,7 @@ class DecodeEngine(LLMEngine):
     def __init__(self, config: EngineConfig, disagg: DisaggConfig):
         if config.kv.mode != "oasis":
             raise ValueError("--role decode needs --kv-mode oasis")
-        if config.kv.select_per != "layer":
-            raise ValueError("--select-per kv-head is not supported with --role decode (the imported KV layout is "
-                             "one chunk per layer and block)")
+        config.kv.require_layer_layout("--role decode")
         if config.kv.draft in HEAD_DRAFTS:
             raise ValueError(f"--role decode supports --draft ngram, repeat or target, not {config.kv.draft} (its EAGLE-3 "
                              "head would need the prompt's hidden states from the prefill instance)")

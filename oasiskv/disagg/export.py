@@ -123,9 +123,7 @@ class PrefillEngine(LLMEngine):
     def __init__(self, config: EngineConfig, disagg: DisaggConfig):
         if not config.kv.offloaded:
             raise ValueError("--role prefill needs --kv-mode oasis or retrieval: the KV is served from the host store")
-        if config.kv.select_per != "layer":
-            raise ValueError("--select-per kv-head is not supported with --role prefill (the exported KV layout is "
-                             "one chunk per layer and block)")
+        config.kv.require_layer_layout("--role prefill")
         super().__init__(config)
         self.exporter = KVExporter(self, KVAgent("prefill"), disagg)
 

@@ -49,9 +49,7 @@ def start_tensor_parallel(config: EngineConfig, device_type: str) -> TensorParal
     if config.kv.draft == "target" and config.kv.mode == "oasis":
         raise ValueError("--draft target is not supported with --tensor-parallel-size > 1 (the draft rows' logits "
                          "would need every rank's share of the output head); use --draft ngram or repeat")
-    if config.kv.select_per != "layer":
-        raise ValueError("--select-per kv-head is not supported with --tensor-parallel-size > 1 (the ranks' block "
-                         "scores are summed into one selection per layer)")
+    config.kv.require_layer_layout("--tensor-parallel-size > 1")
     rendezvous = tempfile.mkdtemp(prefix="oasiskv-tp-")
     init_file = os.path.join(rendezvous, "init")
     ctx = mp.get_context("spawn")

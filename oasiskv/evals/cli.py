@@ -2,7 +2,7 @@
 
 Engine flags come from oasiskv.cli.add_engine_args; this module replaces the KV ones that become
 lists here (--kv-budget, --fetch-cap, --draft, --block-score, --miss-policy,
---select-per) and --kv-mode (use --modes)."""
+--select-per, --summary-tokens) and --kv-mode (use --modes)."""
 from __future__ import annotations
 
 import argparse
@@ -51,6 +51,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "(oasis+fill@0.05)")
     g.add_argument("--select-per", type=csv(str), default=None,
                    help="what one selection serves, a sweep: layer,kv-head; a kv-head row names it (quest+kv-head)")
+    g.add_argument("--summary-tokens", type=csv(int), default=None,
+                   help="tokens per block summary of the scoring modes, a sweep: 16,4; a row other than whole "
+                        "blocks names it (quest+sum4)")
     g.add_argument("--tasks", type=csv(str), default=list(ALL_TASKS), help=f"subset of {','.join(ALL_TASKS)}")
     g.add_argument("--corpus", default="austen", choices=CORPORA, help="haystack and perplexity text")
     g.add_argument("--cache-dir", default=None, help="where fetched texts live (default ~/.cache/oasiskv/evals)")
@@ -80,7 +83,7 @@ def base_config(args: argparse.Namespace):
 
     defaults = KVConfig()
     scalar = dict(vars(args), kv_mode="dense", kv_budget=args.kv_budget[0])
-    for name in ("fetch_cap", "draft", "block_score", "miss_policy", "select_per"):
+    for name in ("fetch_cap", "draft", "block_score", "miss_policy", "select_per", "summary_tokens"):
         values = getattr(args, name)
         scalar[name] = values[0] if values else getattr(defaults, name, None)
     return engine_config(argparse.Namespace(**scalar))
@@ -100,7 +103,8 @@ def main(args: argparse.Namespace) -> None:
         config = base_config(args)
         caps = args.fetch_cap or [config.kv.fetch_cap]  # oasis rows always name their cap (oasis@0.05)
         variants, skipped = split_runnable(expand_variants(args.modes, args.kv_budget, caps, args.draft,
-                                                           args.block_score, args.miss_policy, args.select_per),
+                                                           args.block_score, args.miss_policy, args.select_per,
+                                                           args.summary_tokens),
                                            config.cache.block_size)
         documents = load_corpus(args.corpus, args.cache_dir)
         settings_used = {**{k: v for k, v in vars(args).items() if k != "func"},

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -29,15 +30,18 @@ class Variant:
     block_score: str | None = None
     miss_policy: str | None = None
     select_per: str | None = None
+    summary_tokens: int | None = None
 
     @property
     def series(self) -> str:
         """The variant without its budget: a row of the table, a line of the plot (oasis@0.05, quest+mass,
-        oasis+mass+fill@0.05, quest+kv-head). The default block score, miss policy and selection are not named."""
+        oasis+mass+fill@0.05, quest+kv-head, quest+sum4). The default block score, miss policy and selection and
+        whole-block summaries are not named."""
         text = self.mode
         for value, default in ((self.block_score, KVConfig.block_score), (self.miss_policy, KVConfig.miss_policy),
                                (self.select_per, KVConfig.select_per)):
             text += f"+{value}" if value not in (None, default) else ""
+        text += f"+sum{self.summary_tokens}" if self.summary_tokens is not None else ""
         text += f"@{self.fetch_cap:g}" if self.fetch_cap is not None else ""
         return text + (f" {self.draft}" if self.draft else "")
 
@@ -51,24 +55,25 @@ DENSE = Variant("dense")
 
 def expand_variants(modes: list[str], budgets: list[int], caps: list[float] | None, drafts: list[str] | None,
                     block_scores: list[str] | None = None, miss_policies: list[str] | None = None,
-                    select_per: list[str] | None = None) -> list[Variant]:
+                    select_per: list[str] | None = None, summary_tokens: list[int] | None = None) -> list[Variant]:
     """Every non-dense mode at every budget; lookahead modes also at every cap, draft source and miss policy,
-    the modes that score blocks at every block score, and those that select at every --select-per."""
+    the modes that score blocks at every block score and summary size, and those that select at every
+    --select-per."""
     out = []
     for mode in dict.fromkeys(modes):
         if mode == "dense":
             continue
         scores = list(dict.fromkeys(block_scores or [None])) if mode in SCORING_MODES else [None]
+        sizes = list(dict.fromkeys(summary_tokens or [None])) if mode in SCORING_MODES else [None]
         scopes = list(dict.fromkeys(select_per or [None])) if mode in SELECTING_MODES else [None]
-        for scope in scopes:
-            for score in scores:
-                for budget in budgets:
-                    if mode in LOOKAHEAD_MODES:
-                        out += [Variant(mode, budget, c, d, score, m, scope)
-                                for m in dict.fromkeys(miss_policies or [None])
-                                for c in caps or [None] for d in drafts or [None]]
-                    else:
-                        out.append(Variant(mode, budget, block_score=score, select_per=scope))
+        for scope, size, score, budget in itertools.product(scopes, sizes, scores, budgets):
+            shared = dict(block_score=score, select_per=scope, summary_tokens=size)
+            if mode in LOOKAHEAD_MODES:
+                out += [Variant(mode, budget, c, d, miss_policy=m, **shared)
+                        for m in dict.fromkeys(miss_policies or [None])
+                        for c in caps or [None] for d in drafts or [None]]
+            else:
+                out.append(Variant(mode, budget, **shared))
     return out
 
 
@@ -82,7 +87,7 @@ def split_runnable(variants: list[Variant], block_size: int) -> tuple[list[Varia
 
 def variant_config(base: EngineConfig, v: Variant) -> EngineConfig:
     changes = {}
-    for name in ("budget", "fetch_cap", "draft", "block_score", "miss_policy", "select_per"):
+    for name in ("budget", "fetch_cap", "draft", "block_score", "miss_policy", "select_per", "summary_tokens"):
         if getattr(v, name) is not None:
             changes[name] = getattr(v, name)
     missing = [n for n in changes if n not in {f.name for f in dataclasses.fields(KVConfig)}]

@@ -16,6 +16,10 @@ combined over heads as Quest's score is (the best query head of each KV-head gro
 heads), so the selection rule and tensor parallelism's combination over ranks stay as they are.
 Blocks ``j >= num_blocks[n, b]`` score ``-inf``; a sequence of one block scores 0.
 
+Sub-block summaries (``parts`` > 1, kv/summaries.py): each block's parts are estimated as blocks of their own, the
+softmax runs over the parts of every valid block but the tail, and a head's mass of a block is the sum of its parts'
+before the best head of each group is taken.
+
 The normaliser leaves out the tail block (the last valid one), which selection always keeps. This keeps oasis's
 prediction exact: a draft that opens a block scores it before the block has a summary (its table entry is
 padding), and at the next step that block is x_t's tail. Without the tail, the draft's normaliser runs over the
@@ -30,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from oasiskv.kernels.block_select import _check_multi_args, _check_values, _checks_values
+from oasiskv.kernels.block_select import _check_multi_args, _check_parts, _check_values, _checks_values
 
 __all__ = ["RADIUS_WEIGHT", "block_mass_scores_multi", "block_mass_scores_multi_reference", "scores_from_logits"]
 
@@ -57,13 +61,15 @@ def _head_estimates_kernel(
     s_pt_n, s_pt_b, s_pt_h, s_pt_t,
     max_blocks, D, scale_log2,
     NQ: tl.constexpr, NQ_POW2: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr, RADIUS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr, RADIUS: tl.constexpr, PARTS: tl.constexpr,
 ):
-    # Grid (batch, block tile). Per KV head g and query, the group's query heads are the rows of one
-    # tile; each row's estimates over the tile's blocks are stored, with their max and sum of exponentials.
+    # Grid (batch, tile of BLOCK_N summary rows: BLOCK_N / PARTS blocks). Per KV head g and query, the group's
+    # query heads are the rows of one tile; each row's estimates over the tile's (sub-)blocks are stored, with
+    # their max and sum of exponentials. Estimates are indexed by summary row j = block x PARTS + part.
     b = tl.program_id(0)
     tile = tl.program_id(1)
     j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    blk = j // PARTS
     d = tl.arange(0, BLOCK_D)
     d_mask = d < D
     r = tl.arange(0, ROWS)
@@ -72,8 +78,8 @@ def _head_estimates_kernel(
     q_mask = r_ok[:, None] & d_mask[None, :]
     n = tl.arange(0, NQ_POW2)
     counts = tl.load(num_blocks_ptr + n * s_nb_n + b * s_nb_b, mask=n < NQ, other=0)
-    read = (j < tl.max(counts, axis=0)) & (j < max_blocks)  # blocks any query scores: read once for all
-    phys = tl.load(block_tables_ptr + b * s_bt_b + j * s_bt_j, mask=read, other=0).to(tl.int64)
+    read = (blk < tl.max(counts, axis=0)) & (blk < max_blocks)  # blocks any query scores: read once for all
+    phys = tl.load(block_tables_ptr + b * s_bt_b + blk * s_bt_j, mask=read, other=0).to(tl.int64) * PARTS + j % PARTS
     row = summaries_ptr + phys[:, None] * s_sum_blk + d[None, :] * s_sum_d
     tile_mask = read[:, None] & d_mask[None, :]
     for g in range(0, HKV):
@@ -84,8 +90,8 @@ def _head_estimates_kernel(
             centre, radius = centre.to(q_ptr.dtype.element_ty), radius.to(q_ptr.dtype.element_ty)
         for qi in tl.static_range(NQ):
             count = tl.load(num_blocks_ptr + qi * s_nb_n + b * s_nb_b)
-            valid = (j < count) & (j < max_blocks)
-            normalised = (j < count - 1) & (j < max_blocks)  # every valid block but the tail (module docstring)
+            valid = (blk < count) & (blk < max_blocks)
+            normalised = (blk < count - 1) & (blk < max_blocks)  # every valid block but the tail (module docstring)
             qh = tl.load(q_row + qi * s_q_n + (g * GROUP) * s_q_h, mask=q_mask, other=0.0)
             if DOT_FP32:
                 qh = qh.to(tl.float32)
@@ -97,7 +103,7 @@ def _head_estimates_kernel(
             s = tl.where(valid[None, :], s, float("-inf"))  # [ROWS, BLOCK_N]
             heads = g * GROUP + r
             out = estimates_ptr + qi * s_bd_n + b.to(tl.int64) * s_bd_b + heads[:, None] * s_bd_h + j[None, :] * s_bd_j
-            tl.store(out, s, mask=r_ok[:, None] & (j[None, :] < max_blocks))
+            tl.store(out, s, mask=r_ok[:, None] & (blk[None, :] < max_blocks))
             s = tl.where(normalised[None, :], s, float("-inf"))
             m = tl.max(s, axis=1)  # [ROWS]; -inf where the tile holds no normalised block
             m_safe = tl.where(m > float("-inf"), m, 0.0)
@@ -115,20 +121,23 @@ def _mass_kernel(
     s_nb_n, s_nb_b, s_out_n, s_out_b, s_out_j,
     max_blocks, num_tiles, scale_log2,
     NQ: tl.constexpr, HQ: tl.constexpr, HQ_POW2: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr, TILE_CHUNK: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILE_CHUNK: tl.constexpr, PARTS: tl.constexpr,
 ):
-    # Grid (batch, block tile). Every query head at once (rows): its normaliser from every tile's (max,
-    # sum), then p = exp(scale * (e - max)) / sum for this tile's blocks; then, in registers, each group's
-    # best head, summed over groups.
+    # Grid (batch, tile of BLOCK_N summary rows). Every query head at once (rows): its normaliser from every
+    # tile's (max, sum), then p = exp(scale * (e - max)) / sum for this tile's (sub-)blocks; then, in registers,
+    # each block's parts summed per head, each group's best head, summed over groups.
+    BLOCKS: tl.constexpr = BLOCK_N // PARTS
     b = tl.program_id(0)
     tile = tl.program_id(1)
     j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    blk = j // PARTS
+    jb = tile * BLOCKS + tl.arange(0, BLOCKS)
     h = tl.arange(0, HQ_POW2)
     h_ok = h < HQ
     t = tl.arange(0, TILE_CHUNK)
     for qi in tl.static_range(NQ):
         count = tl.load(num_blocks_ptr + qi * s_nb_n + b * s_nb_b)
-        valid = (j < count) & (j < max_blocks)
+        valid = (blk < count) & (blk < max_blocks)
         part = qi * s_pt_n + b.to(tl.int64) * s_pt_b + h[:, None] * s_pt_h
         run_max = tl.full([HQ_POW2], float("-inf"), dtype=tl.float32)
         run_sum = tl.zeros([HQ_POW2], dtype=tl.float32)
@@ -146,42 +155,49 @@ def _mass_kernel(
                       mask=h_ok[:, None] & valid[None, :], other=float("-inf"))
         p = tl.exp2((est - base[:, None]) * scale_log2) / tl.where(run_sum > 0, run_sum, 1.0)[:, None]
         p = tl.where(run_sum[:, None] > 0, p, 0.0)  # a sequence of one block: nothing to normalise over
-        total = tl.zeros([BLOCK_N], dtype=tl.float32)
+        if PARTS > 1:
+            p = tl.sum(tl.reshape(p, (HQ_POW2, BLOCKS, PARTS)), axis=2)
+        total = tl.zeros([BLOCKS], dtype=tl.float32)
         for g in range(0, HKV):
             in_group = (h >= g * GROUP) & (h < (g + 1) * GROUP)
             total += tl.max(tl.where(in_group[:, None], p, 0.0), axis=0)
-        out = scores_ptr + qi * s_out_n + b * s_out_b + j * s_out_j
-        tl.store(out, tl.where(valid, total, float("-inf")), mask=j < max_blocks)
+        block_valid = (jb < count) & (jb < max_blocks)
+        out = scores_ptr + qi * s_out_n + b * s_out_b + jb * s_out_j
+        tl.store(out, tl.where(block_valid, total, float("-inf")), mask=jb < max_blocks)
 
 
 def block_mass_scores_multi_reference(q: torch.Tensor, summaries: torch.Tensor, block_tables: torch.Tensor,
-                                      num_blocks: torch.Tensor, scale: float,
+                                      num_blocks: torch.Tensor, scale: float, parts: int = 1,
                                       radius_weight: float = RADIUS_WEIGHT) -> torch.Tensor:
     """Torch twin of :func:`block_mass_scores_multi` (same arguments and result). `radius_weight`: the
     estimates' weight of the block radius (scripts/selection_recall.py compares others)."""
     _check_multi_args(q, summaries, block_tables, num_blocks)
-    _check_values(summaries, block_tables, num_blocks, "num_blocks")
+    _check_parts(summaries, parts, _BLOCK_N)
+    _check_values(summaries, block_tables, num_blocks, "num_blocks", parts)
     nq, bsz, hq, d = q.shape
-    hkv, max_blocks = summaries.shape[2], block_tables.shape[1]
-    s = summaries[block_tables.long().clamp(min=0)].float()  # [B, W, 2, Hkv, D]
+    hkv = summaries.shape[2]
+    by_block = summaries.view(-1, parts, *summaries.shape[1:])  # [blocks, parts, 2, Hkv, D]
+    s = by_block[block_tables.long().clamp(min=0)].flatten(1, 2).float()  # [B, W x parts, 2, Hkv, D]
     centre, radius = (s[:, :, 0] + s[:, :, 1]) / 2, (s[:, :, 1] - s[:, :, 0]) / 2 * radius_weight
     if q.dtype == summaries.dtype != torch.float32:  # the kernel's tensor-core dots take them in that dtype
         centre, radius = centre.to(q.dtype).float(), radius.to(q.dtype).float()
     qf = q.float().view(nq, bsz, hkv, hq // hkv, d)
     estimates = torch.einsum("bjgd,nbghd->nbghj", centre, qf) + torch.einsum(
-        "bjgd,nbghd->nbghj", radius, qf.abs())  # [NQ, B, Hkv, group, W]
-    return scores_from_logits(estimates * scale, num_blocks)
+        "bjgd,nbghd->nbghj", radius, qf.abs())  # [NQ, B, Hkv, group, W x parts]
+    return scores_from_logits(estimates * scale, num_blocks, parts)
 
 
-def scores_from_logits(logits: torch.Tensor, num_blocks: torch.Tensor) -> torch.Tensor:
-    """The mass score from each head's estimated logits, fp32 [NQ, B, Hkv, group, W] (already scaled), and
-    each query's block count int [NQ, B]: the exponentials over their sum over every block but the tail,
-    the best head of each group, summed over groups. fp32 [NQ, B, W], ``-inf`` past each query's blocks."""
-    j = torch.arange(logits.shape[-1], device=logits.device)[None, None, :]
-    valid = j < num_blocks.long()[:, :, None]  # [NQ, B, W]
-    normalised = (j < num_blocks.long()[:, :, None] - 1)[:, :, None, None, :]  # all but the tail block
+def scores_from_logits(logits: torch.Tensor, num_blocks: torch.Tensor, parts: int = 1) -> torch.Tensor:
+    """The mass score from each head's estimated logits, fp32 [NQ, B, Hkv, group, W x parts] (already scaled), and
+    each query's block count int [NQ, B]: the exponentials over their sum over every block but the tail, each
+    block's parts summed, the best head of each group, summed over groups. fp32 [NQ, B, W], ``-inf`` past each
+    query's blocks."""
+    blocks = torch.arange(logits.shape[-1], device=logits.device)[None, None, :] // parts  # each row's block
+    normalised = (blocks < num_blocks.long()[:, :, None] - 1)[:, :, None, None, :]  # all but the tail block
     lse = logits.masked_fill(~normalised, float("-inf")).logsumexp(dim=-1, keepdim=True)
     mass = torch.where(lse > float("-inf"), (logits - lse).exp(), 0.0)  # one block: nothing to normalise over
+    mass = mass.view(*mass.shape[:-1], -1, parts).sum(-1)
+    valid = torch.arange(mass.shape[-1], device=logits.device)[None, None, :] < num_blocks.long()[:, :, None]
     return mass.amax(dim=3).sum(dim=2).masked_fill(~valid, float("-inf"))
 
 
@@ -190,30 +206,32 @@ def _triton_runs(device: torch.device) -> bool:
 
 
 def block_mass_scores_multi(q: torch.Tensor, summaries: torch.Tensor, block_tables: torch.Tensor,
-                            num_blocks: torch.Tensor, scale: float, *,
+                            num_blocks: torch.Tensor, scale: float, parts: int = 1, *,
                             check_values: bool | None = None) -> torch.Tensor:
     """Estimated attention mass of every logical block, for NQ queries per sequence (module docstring).
 
     Args:
         q: [NQ, B, Hq, D] decode queries, any strides (fp32/fp16/bf16; computed in fp32).
-        summaries: [num_blocks, 2, Hkv, D] one layer's summaries (0 = min, 1 = max).
+        summaries: [num_blocks x parts, 2, Hkv, D] one layer's summaries (0 = min, 1 = max).
         block_tables: int32 [B, max_blocks], shared by the NQ queries of a sequence.
         num_blocks: int32 [NQ, B], the logical blocks each query scores (<= max_blocks).
         scale: the attention's softmax scale (1 / sqrt(D) unless the model says otherwise).
+        parts: summaries per block (module docstring), a divisor of 32.
         check_values: check value ranges (a device->host sync on CUDA); default: on CPU tensors only.
 
     Returns:
         fp32 [NQ, B, max_blocks]; ``-inf`` where ``j >= num_blocks[n, b]``.
     """
     if not _triton_runs(q.device):
-        return block_mass_scores_multi_reference(q, summaries, block_tables, num_blocks, scale)
+        return block_mass_scores_multi_reference(q, summaries, block_tables, num_blocks, scale, parts)
     _check_multi_args(q, summaries, block_tables, num_blocks)
+    _check_parts(summaries, parts, _BLOCK_N)
     if _checks_values(check_values, q.device):
-        _check_values(summaries, block_tables, num_blocks, "num_blocks")
-    return _launch(q, summaries, block_tables, num_blocks, scale)
+        _check_values(summaries, block_tables, num_blocks, "num_blocks", parts)
+    return _launch(q, summaries, block_tables, num_blocks, scale, parts)
 
 
-def _launch(q, summaries, block_tables, num_blocks, scale: float, block_n: int = _BLOCK_N,
+def _launch(q, summaries, block_tables, num_blocks, scale: float, parts: int = 1, block_n: int = _BLOCK_N,
             num_warps: int = _NUM_WARPS) -> torch.Tensor:
     """`block_n`, `num_warps`: tuning (scripts/gpu_score_bench.py --mass times them)."""
     nq, bsz, hq, d = q.shape
@@ -221,13 +239,13 @@ def _launch(q, summaries, block_tables, num_blocks, scale: float, block_n: int =
     scores = torch.empty((nq, bsz, max_blocks), dtype=torch.float32, device=q.device)
     if bsz == 0 or max_blocks == 0:
         return scores
-    tiles = triton.cdiv(max_blocks, block_n)
-    estimates = torch.empty((nq, bsz, hq, max_blocks), dtype=torch.float32, device=q.device)
+    tiles = triton.cdiv(max_blocks * parts, block_n)
+    estimates = torch.empty((nq, bsz, hq, max_blocks * parts), dtype=torch.float32, device=q.device)
     part_max = torch.empty((nq, bsz, hq, tiles), dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
     group, rows = hq // hkv, max(16, triton.next_power_of_2(hq // hkv))  # a dot product's rows: at least 16
     scale_log2 = float(scale) * _LOG2E
-    common = dict(NQ=nq, HKV=hkv, GROUP=group, BLOCK_N=block_n, num_warps=num_warps)
+    common = dict(NQ=nq, HKV=hkv, GROUP=group, BLOCK_N=block_n, PARTS=parts, num_warps=num_warps)
     _head_estimates_kernel[(bsz, tiles)](
         q, summaries, block_tables, num_blocks, estimates, part_max, part_sum,
         *q.stride(), *summaries.stride(), *block_tables.stride(), *num_blocks.stride(),

@@ -13,6 +13,10 @@ ONE score per (sequence, block); it is defined as
 i.e. the best query head of each KV-head group, summed over KV heads. Scores may be negative.
 Logical blocks ``j >= num_blocks_per_seq[b]`` score ``-inf``.
 
+Sub-block summaries (``parts`` > 1, kv/summaries.py): block ``b``'s summaries are rows ``b * parts ..
+b * parts + parts - 1``, and ``score_h(block)`` is the best of its sub-blocks' bounds (a tighter upper
+bound), taken per KV head before the sum over KV heads.
+
 Several queries per sequence (:func:`block_scores_multi`): q [NQ, B, Hq, D], each query its own
 block count (``num_blocks`` int32 [NQ, B]), all against the same block table. Each program loads
 a tile of summaries once per KV head and scores every query against it, so NQ queries cost one
@@ -74,21 +78,27 @@ def _block_scores_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    PARTS: tl.constexpr,
 ):
-    # Grid (batch, block tile). Each program reads the summaries of BLOCK_N blocks for every KV head
+    # Grid (batch, tile of BLOCK_N summary rows: BLOCK_N / PARTS blocks). Each program reads the summaries of BLOCK_N
+    # sub-blocks (blocks when PARTS = 1) for every KV head
     # once and scores them for all NQ queries. Per KV head g and query, the group's query heads are the
     # rows of one tile (row r: head g * GROUP + r, always at the same rows, so a query's scores do not
     # depend on NQ), and
     #   score_h = sum_d max(q_hd * mn_d, q_hd * mx_d) = q_h+ . mx + q_h- . mn     (mn <= mx)
-    # is two dot products on the tensor cores; the group's best head is a max over the rows.
+    # is two dot products on the tensor cores; the group's best head is a max over the rows, and a block's
+    # score per KV head the max over its PARTS sub-blocks.
+    BLOCKS: tl.constexpr = BLOCK_N // PARTS
     b = tl.program_id(0)
     tile = tl.program_id(1)
-    j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    j = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # summary rows of the blocks' parts
+    blk = j // PARTS
+    jb = tile * BLOCKS + tl.arange(0, BLOCKS)  # the tile's blocks
     n = tl.arange(0, NQ_POW2)
     counts = tl.load(num_blocks_ptr + n * s_nb_n + b * s_nb_b, mask=n < NQ, other=0)
-    valid = (j[None, :] < counts[:, None]) & (j[None, :] < max_blocks)  # [NQ_POW2, BLOCK_N]
-    read = (j < tl.max(counts, axis=0)) & (j < max_blocks)  # blocks any query scores
-    phys = tl.load(block_tables_ptr + b * s_bt_b + j * s_bt_j, mask=read, other=0).to(tl.int64)
+    valid = (jb[None, :] < counts[:, None]) & (jb[None, :] < max_blocks)  # [NQ_POW2, BLOCKS]
+    read = (blk < tl.max(counts, axis=0)) & (blk < max_blocks)  # blocks any query scores
+    phys = tl.load(block_tables_ptr + b * s_bt_b + blk * s_bt_j, mask=read, other=0).to(tl.int64) * PARTS + j % PARTS
 
     d = tl.arange(0, BLOCK_D)
     d_mask = d < D
@@ -99,7 +109,7 @@ def _block_scores_kernel(
     q_row = q_ptr + b.to(tl.int64) * s_q_b + r[:, None] * s_q_h + d[None, :] * s_q_d
     q_mask = r_ok[:, None] & d_mask[None, :]
 
-    total = tl.zeros([NQ_POW2, BLOCK_N], dtype=tl.float32)
+    total = tl.zeros([NQ_POW2, BLOCKS], dtype=tl.float32)
     for g in range(0, HKV):
         k_min = tl.load(row + g * s_sum_head, mask=tile_mask, other=0.0)
         k_max = tl.load(row + g * s_sum_head + s_sum_kind, mask=tile_mask, other=0.0)
@@ -118,11 +128,13 @@ def _block_scores_kernel(
                 s = tl.dot(q_pos, tl.trans(k_max))
                 s = tl.dot(q_neg, tl.trans(k_min), s)
             best = tl.max(tl.where(r_ok[:, None], s, float("-inf")), axis=0)
+            if PARTS > 1:
+                best = tl.max(tl.reshape(best, (BLOCKS, PARTS)), axis=1)
             total = tl.where(n[:, None] == qi, total + best[None, :], total)
 
     total = tl.where(valid, total, float("-inf"))
-    out = scores_ptr + n[:, None] * s_out_n + b * s_out_b + j[None, :] * s_out_j
-    tl.store(out, total, mask=(n[:, None] < NQ) & (j[None, :] < max_blocks))
+    out = scores_ptr + n[:, None] * s_out_n + b * s_out_b + jb[None, :] * s_out_j
+    tl.store(out, total, mask=(n[:, None] < NQ) & (jb[None, :] < max_blocks))
 
 
 def _check_args(q, summaries, block_tables, num_blocks_per_seq):
@@ -176,7 +188,12 @@ def _check_shared_args(q, summaries, block_tables, num_blocks, num_blocks_name):
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
 
 
-def _check_values(summaries, block_tables, num_blocks, num_blocks_name):
+def _check_parts(summaries, parts: int, block_n: int = _BLOCK_N) -> None:
+    if parts < 1 or block_n % parts or summaries.shape[0] % parts:
+        raise ValueError(f"parts must divide {block_n} and the summaries' {summaries.shape[0]} rows, got {parts}")
+
+
+def _check_values(summaries, block_tables, num_blocks, num_blocks_name, parts: int = 1):
     """num_blocks: [NQ, B]; a table entry is read when any query of its sequence counts its block."""
     max_blocks = block_tables.shape[1]
     if num_blocks.numel() == 0:
@@ -186,9 +203,9 @@ def _check_values(summaries, block_tables, num_blocks, num_blocks_name):
         raise ValueError(f"{num_blocks_name} must be in [0, {max_blocks}], got values in [{lo}, {hi}]")
     j = torch.arange(max_blocks, device=block_tables.device)
     used = block_tables[j[None, :] < num_blocks.amax(0)[:, None].long()]
-    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= summaries.shape[0]):
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= summaries.shape[0] // parts):
         raise ValueError(
-            f"block_tables entries of valid blocks must be in [0, {summaries.shape[0]}), "
+            f"block_tables entries of valid blocks must be in [0, {summaries.shape[0] // parts}), "
             f"got values in [{int(used.min())}, {int(used.max())}]"
         )
 
@@ -202,6 +219,7 @@ def block_scores_reference(
     summaries: torch.Tensor,
     block_tables: torch.Tensor,
     num_blocks_per_seq: torch.Tensor,
+    parts: int = 1,
 ) -> torch.Tensor:
     """Torch twin of :func:`block_scores` (same arguments and result).
 
@@ -209,20 +227,22 @@ def block_scores_reference(
     that identity needs ``mn <= mx``, which real summaries satisfy (the kernel uses it too, as two dot products).
     """
     _check_args(q, summaries, block_tables, num_blocks_per_seq)
-    _check_values(summaries, block_tables, num_blocks_per_seq[None], "num_blocks_per_seq")
+    _check_parts(summaries, parts)
+    _check_values(summaries, block_tables, num_blocks_per_seq[None], "num_blocks_per_seq", parts)
     bsz, hq, d = q.shape
     hkv = summaries.shape[2]
     scores = torch.full(block_tables.shape, float("-inf"), dtype=torch.float32, device=q.device)
     qf = q.float().view(bsz, hkv, hq // hkv, d)
     q_pos, q_neg = qf.clamp(min=0), qf.clamp(max=0)
+    by_block = summaries.view(-1, parts, *summaries.shape[1:])  # [blocks, parts, 2, Hkv, D]
     for b, n in enumerate(num_blocks_per_seq.tolist()):
         if n == 0:
             continue
-        s = summaries[block_tables[b, :n].long()].float()  # [n, 2, Hkv, D]
-        per_head = torch.einsum("ngd,ghd->ngh", s[:, 1], q_pos[b]) + torch.einsum(
-            "ngd,ghd->ngh", s[:, 0], q_neg[b]
-        )  # [n, Hkv, group]
-        scores[b, :n] = per_head.amax(dim=2).sum(dim=1)
+        s = by_block[block_tables[b, :n].long()].float()  # [n, parts, 2, Hkv, D]
+        per_head = torch.einsum("npgd,ghd->npgh", s[:, :, 1], q_pos[b]) + torch.einsum(
+            "npgd,ghd->npgh", s[:, :, 0], q_neg[b]
+        )  # [n, parts, Hkv, group]
+        scores[b, :n] = per_head.amax(dim=3).amax(dim=1).sum(dim=1)
     return scores
 
 
@@ -231,12 +251,15 @@ def block_scores_multi_reference(
     summaries: torch.Tensor,
     block_tables: torch.Tensor,
     num_blocks: torch.Tensor,
+    parts: int = 1,
 ) -> torch.Tensor:
     """Torch twin of :func:`block_scores_multi` (same arguments and result): one
     :func:`block_scores_reference` per query."""
     _check_multi_args(q, summaries, block_tables, num_blocks)
-    _check_values(summaries, block_tables, num_blocks, "num_blocks")
-    return torch.stack([block_scores_reference(qn, summaries, block_tables, nb) for qn, nb in zip(q, num_blocks)])
+    _check_parts(summaries, parts)
+    _check_values(summaries, block_tables, num_blocks, "num_blocks", parts)
+    return torch.stack([block_scores_reference(qn, summaries, block_tables, nb, parts)
+                        for qn, nb in zip(q, num_blocks)])
 
 
 def _triton_runs(device: torch.device) -> bool:
@@ -249,6 +272,7 @@ def block_scores(
     summaries: torch.Tensor,
     block_tables: torch.Tensor,
     num_blocks_per_seq: torch.Tensor,
+    parts: int = 1,
     *,
     check_values: bool | None = None,
 ) -> torch.Tensor:
@@ -260,10 +284,11 @@ def block_scores(
 
     Args:
         q: [B, Hq, D] decode queries (fp32/fp16/bf16; computed in fp32).
-        summaries: [num_blocks, 2, Hkv, D] one layer's summaries (0 = min, 1 = max).
+        summaries: [num_blocks x parts, 2, Hkv, D] one layer's summaries (0 = min, 1 = max).
         block_tables: int32 [B, max_blocks], logical block j of sequence b -> physical block
-            (row of ``summaries``). Entries at ``j >= num_blocks_per_seq[b]`` are never read.
+            (its summaries: rows ``parts`` x block ..). Entries at ``j >= num_blocks_per_seq[b]`` are never read.
         num_blocks_per_seq: int32 [B], valid logical blocks per sequence (<= max_blocks).
+        parts: summaries per block (module docstring); a divisor of 32.
         check_values: check value ranges (costs a device->host sync on CUDA). Default: check on
             CPU tensors only. Unchecked bad values on CUDA are undefined.
 
@@ -271,11 +296,12 @@ def block_scores(
         fp32 [B, max_blocks]; ``-inf`` where ``j >= num_blocks_per_seq[b]``.
     """
     if not _triton_runs(q.device):
-        return block_scores_reference(q, summaries, block_tables, num_blocks_per_seq)
+        return block_scores_reference(q, summaries, block_tables, num_blocks_per_seq, parts)
     _check_args(q, summaries, block_tables, num_blocks_per_seq)
+    _check_parts(summaries, parts)
     if _checks_values(check_values, q.device):
-        _check_values(summaries, block_tables, num_blocks_per_seq[None], "num_blocks_per_seq")
-    return _launch_scores(q[None], summaries, block_tables, num_blocks_per_seq[None])[0]
+        _check_values(summaries, block_tables, num_blocks_per_seq[None], "num_blocks_per_seq", parts)
+    return _launch_scores(q[None], summaries, block_tables, num_blocks_per_seq[None], parts)[0]
 
 
 def block_scores_multi(
@@ -283,6 +309,7 @@ def block_scores_multi(
     summaries: torch.Tensor,
     block_tables: torch.Tensor,
     num_blocks: torch.Tensor,
+    parts: int = 1,
     *,
     check_values: bool | None = None,
 ) -> torch.Tensor:
@@ -297,21 +324,22 @@ def block_scores_multi(
         block_tables: int32 [B, max_blocks], shared by the NQ queries of a sequence. Entries at
             ``j >= max_n num_blocks[n, b]`` are never read.
         num_blocks: int32 [NQ, B], the logical blocks each query scores (<= max_blocks).
-        check_values: as for :func:`block_scores`.
+        parts, check_values: as for :func:`block_scores`.
 
     Returns:
         fp32 [NQ, B, max_blocks]; ``-inf`` where ``j >= num_blocks[n, b]``.
     """
     if not _triton_runs(q.device):
-        return block_scores_multi_reference(q, summaries, block_tables, num_blocks)
+        return block_scores_multi_reference(q, summaries, block_tables, num_blocks, parts)
     _check_multi_args(q, summaries, block_tables, num_blocks)
+    _check_parts(summaries, parts)
     if _checks_values(check_values, q.device):
-        _check_values(summaries, block_tables, num_blocks, "num_blocks")
-    return _launch_scores(q, summaries, block_tables, num_blocks)
+        _check_values(summaries, block_tables, num_blocks, "num_blocks", parts)
+    return _launch_scores(q, summaries, block_tables, num_blocks, parts)
 
 
-def _launch_scores(q, summaries, block_tables, num_blocks, block_n: int = _BLOCK_N, num_warps: int = 4,
-                   num_stages: int | None = None) -> torch.Tensor:
+def _launch_scores(q, summaries, block_tables, num_blocks, parts: int = 1, block_n: int = _BLOCK_N,
+                   num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
     """`block_n`, `num_warps`, `num_stages`: tuning (scripts/gpu_score_bench.py times them)."""
     nq, bsz, hq, d = q.shape
     hkv = summaries.shape[2]
@@ -319,7 +347,7 @@ def _launch_scores(q, summaries, block_tables, num_blocks, block_n: int = _BLOCK
     scores = torch.empty((nq, bsz, max_blocks), dtype=torch.float32, device=q.device)
     if bsz == 0 or max_blocks == 0:
         return scores
-    grid = (bsz, triton.cdiv(max_blocks, block_n))
+    grid = (bsz, triton.cdiv(max_blocks * parts, block_n))
     stages = {} if num_stages is None else {"num_stages": num_stages}
     group = hq // hkv
     _block_scores_kernel[grid](
@@ -343,6 +371,7 @@ def _launch_scores(q, summaries, block_tables, num_blocks, block_n: int = _BLOCK
         BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(d)),
         DOT_FP32=q.dtype == torch.float32 or q.dtype != summaries.dtype,
+        PARTS=parts,
         num_warps=num_warps,
         **stages,
     )

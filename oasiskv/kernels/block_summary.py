@@ -8,7 +8,8 @@ Layouts (one layer):
   dtype is the keys' dtype (or wider) the cast is exact, so the Quest bound stays a bound.
 
 ``update_block_summaries`` recomputes the summary of each listed block over its first
-``num_tokens[i]`` keys. It serves both engine cases with one call:
+``num_tokens[i]`` keys (or keys ``first_token[i] .. num_tokens[i] - 1``: a sub-block summary of
+the block's last part, kv/summaries.py). It serves both engine cases with one call:
 
 - after prefill: all the request's blocks (full blocks with ``block_size``, the tail with
   its fill);
@@ -38,6 +39,7 @@ def _block_summary_kernel(
     block_ids_ptr,
     summary_ids_ptr,
     num_tokens_ptr,
+    first_token_ptr,
     s_sum_blk,
     s_sum_kind,
     s_sum_head,
@@ -49,6 +51,7 @@ def _block_summary_kernel(
     D,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_FIRST: tl.constexpr,
 ):
     # One program per (listed block, KV head): loads [block_size, D] keys, reduces over tokens.
     pid = tl.program_id(0)
@@ -56,11 +59,12 @@ def _block_summary_kernel(
     blk = tl.load(block_ids_ptr + pid).to(tl.int64)  # int64: pool offsets can pass 2**31
     dst = tl.load(summary_ids_ptr + pid).to(tl.int64)
     n = tl.load(num_tokens_ptr + pid)
+    first = tl.load(first_token_ptr + pid) if HAS_FIRST else 0
 
     t = tl.arange(0, BLOCK_T)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < D
-    mask = (t < n)[:, None] & d_mask[None, :]
+    mask = ((t >= first) & (t < n))[:, None] & d_mask[None, :]
 
     k_ptrs = kv_ptr + blk * s_kv_blk + head * s_kv_head + t[:, None] * s_kv_tok + d[None, :] * s_kv_d
     k = tl.load(k_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -73,7 +77,7 @@ def _block_summary_kernel(
     tl.store(out + s_sum_kind, k_max.to(out_ty), mask=d_mask)
 
 
-def _check_args(summaries, kv_layer, block_ids, num_tokens, summary_ids):
+def _check_args(summaries, kv_layer, block_ids, num_tokens, summary_ids, first_token=None):
     if summaries.dim() != 4 or summaries.shape[1] != 2:
         raise ValueError(f"summaries must be [num_blocks, 2, Hkv, D], got {tuple(summaries.shape)}")
     if kv_layer.dim() != 5 or kv_layer.shape[1] != 2:
@@ -89,27 +93,31 @@ def _check_args(summaries, kv_layer, block_ids, num_tokens, summary_ids):
         raise ValueError(f"summaries dtype must be fp32, fp16 or bf16, got {summaries.dtype}")
     if kv_layer.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"kv_layer dtype must be fp32, fp16 or bf16, got {kv_layer.dtype}")
-    for name, t in (("block_ids", block_ids), ("num_tokens", num_tokens), ("summary_ids", summary_ids)):
+    named = [("block_ids", block_ids), ("num_tokens", num_tokens), ("summary_ids", summary_ids)]
+    for name, t in named + ([("first_token", first_token)] if first_token is not None else []):
         if t.dtype != torch.int32 or t.dim() != 1:
             raise ValueError(f"{name} must be a 1-D int32 tensor, got {t.dtype} {tuple(t.shape)}")
         if t.device != summaries.device:
             raise ValueError(f"{name} is on {t.device}, summaries on {summaries.device}")
-    if num_tokens.shape[0] != block_ids.shape[0] or summary_ids.shape[0] != block_ids.shape[0]:
+    lengths = [t.shape[0] for _, t in named + ([("first_token", first_token)] if first_token is not None else [])]
+    if len(set(lengths)) > 1:
         raise ValueError(
-            f"block_ids ({block_ids.shape[0]}), num_tokens ({num_tokens.shape[0]}) and "
-            f"summary_ids ({summary_ids.shape[0]}) must have the same length"
+            f"block_ids ({block_ids.shape[0]}), num_tokens ({num_tokens.shape[0]}), "
+            f"summary_ids ({summary_ids.shape[0]}) and first_token must have the same length"
         )
     if kv_layer.device != summaries.device:
         raise ValueError(f"kv_layer is on {kv_layer.device}, summaries on {summaries.device}")
 
 
-def _check_values(summaries, kv_layer, block_ids, num_tokens, summary_ids):
+def _check_values(summaries, kv_layer, block_ids, num_tokens, summary_ids, first_token=None):
     if block_ids.numel() == 0:
         return
     block_size = kv_layer.shape[2]
     lo, hi = int(num_tokens.min()), int(num_tokens.max())
     if lo < 1 or hi > block_size:
         raise ValueError(f"num_tokens must be in [1, {block_size}], got values in [{lo}, {hi}]")
+    if first_token is not None and (bool((first_token < 0).any()) or bool((first_token >= num_tokens).any())):
+        raise ValueError("first_token must be in [0, num_tokens): every summary covers at least one key")
     lo, hi = int(block_ids.min()), int(block_ids.max())
     if lo < 0 or hi >= kv_layer.shape[0]:
         raise ValueError(f"block_ids must be in [0, {kv_layer.shape[0]}), got values in [{lo}, {hi}]")
@@ -125,16 +133,20 @@ def update_block_summaries_reference(
     num_tokens: torch.Tensor,
     *,
     summary_ids: torch.Tensor | None = None,
+    first_token: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Torch twin of :func:`update_block_summaries` (same arguments, in place, returns ``summaries``)."""
     summary_ids = block_ids if summary_ids is None else summary_ids
-    _check_args(summaries, kv_layer, block_ids, num_tokens, summary_ids)
-    _check_values(summaries, kv_layer, block_ids, num_tokens, summary_ids)
+    _check_args(summaries, kv_layer, block_ids, num_tokens, summary_ids, first_token)
+    _check_values(summaries, kv_layer, block_ids, num_tokens, summary_ids, first_token)
     if block_ids.numel() == 0:
         return summaries
     keys = kv_layer[block_ids.long(), 0].float()  # [N, block_size, Hkv, D]
     t = torch.arange(kv_layer.shape[2], device=keys.device)
-    filled = (t[None, :] < num_tokens[:, None].long())[:, :, None, None]
+    filled = t[None, :] < num_tokens[:, None].long()
+    if first_token is not None:
+        filled &= t[None, :] >= first_token[:, None].long()
+    filled = filled[:, :, None, None]
     k_min = torch.where(filled, keys, float("inf")).amin(dim=1)
     k_max = torch.where(filled, keys, float("-inf")).amax(dim=1)
     dst = summary_ids.long()
@@ -155,6 +167,7 @@ def update_block_summaries(
     num_tokens: torch.Tensor,
     *,
     summary_ids: torch.Tensor | None = None,
+    first_token: torch.Tensor | None = None,
     check_values: bool | None = None,
 ) -> torch.Tensor:
     """Recompute the min/max key summaries of the listed blocks, in place.
@@ -167,6 +180,8 @@ def update_block_summaries(
             covers keys ``0 .. num_tokens[i]-1``.
         summary_ids: optional int32 [N], rows of ``summaries`` to write; default ``block_ids``
             (use it when GPU slots and summary rows are numbered differently).
+        first_token: optional int32 [N] in [0, num_tokens): the summary covers keys
+            ``first_token[i] .. num_tokens[i]-1`` instead (a sub-block summary).
         check_values: check id ranges and num_tokens (costs a device->host sync on CUDA).
             Default: check on CPU tensors only. Unchecked bad values on CUDA are undefined.
 
@@ -176,11 +191,11 @@ def update_block_summaries(
     summary_ids = block_ids if summary_ids is None else summary_ids
     if not _triton_runs(summaries.device):
         return update_block_summaries_reference(
-            summaries, kv_layer, block_ids, num_tokens, summary_ids=summary_ids
+            summaries, kv_layer, block_ids, num_tokens, summary_ids=summary_ids, first_token=first_token
         )
-    _check_args(summaries, kv_layer, block_ids, num_tokens, summary_ids)
+    _check_args(summaries, kv_layer, block_ids, num_tokens, summary_ids, first_token)
     if check_values if check_values is not None else summaries.device.type != "cuda":
-        _check_values(summaries, kv_layer, block_ids, num_tokens, summary_ids)
+        _check_values(summaries, kv_layer, block_ids, num_tokens, summary_ids, first_token)
     n = block_ids.shape[0]
     if n == 0:
         return summaries
@@ -191,6 +206,7 @@ def update_block_summaries(
         block_ids,
         summary_ids,
         num_tokens,
+        num_tokens if first_token is None else first_token,  # not read without HAS_FIRST
         summaries.stride(0),
         summaries.stride(1),
         summaries.stride(2),
@@ -202,6 +218,7 @@ def update_block_summaries(
         d,
         BLOCK_T=triton.next_power_of_2(block_size),
         BLOCK_D=triton.next_power_of_2(d),
+        HAS_FIRST=first_token is not None,
         num_warps=2,
     )
     return summaries

@@ -37,7 +37,7 @@ def build_kv(model_cfg: ModelConfig, cache: CacheConfig, kv: KVConfig, gpu_kv_bl
     (on the GPU they synchronise, so CUDA graphs need them off). `tiered` goes to build_retrieval
     (retrieval and oasis modes)."""
     kv.validate(cache.block_size, model_cfg.num_layers)
-    bs, scale = cache.block_size, model_cfg.head_dim ** -0.5
+    bs, scale, parts = cache.block_size, model_cfg.head_dim ** -0.5, kv.summary_parts(cache.block_size)
     lanes = model_cfg.num_kv_heads if kv.select_per == "kv-head" else 1
     if lanes > 1:  # storage for one KV head a layer; the policy runs once per KV head (policies/per_kv_head.py)
         model_cfg, kv = lane_config(model_cfg), lane_kv_config(kv, lanes)
@@ -46,9 +46,10 @@ def build_kv(model_cfg: ModelConfig, cache: CacheConfig, kv: KVConfig, gpu_kv_bl
         return KVSetup(DensePolicy(pool, scale), BlockAllocator(gpu_kv_blocks), max_num_seqs, pool, None,
                        f"dense: {gpu_kv_blocks} GPU blocks")
     if kv.mode in ("quest", "oracle"):  # oracle: quest's storage, exact attention mass for scores
-        blocks = gpu_kv_blocks if cache.num_kv_blocks else gpu_kv_blocks * bs // (bs + 1)  # room for summaries
+        # room for the summaries: each block's `parts` cost parts / block_size of the block
+        blocks = gpu_kv_blocks if cache.num_kv_blocks else gpu_kv_blocks * bs // (bs + parts)
         pool = KVPool(model_cfg, blocks, bs, dtype, device)
-        summaries = BlockSummaries(model_cfg, blocks, dtype, device)
+        summaries = BlockSummaries(model_cfg, blocks, dtype, device, parts)
         policy_class = per_kv_head(OraclePolicy if kv.mode == "oracle" else QuestPolicy, lanes)
         policy = policy_class(pool, kv, summaries, bs, scale, device, timing)
         return KVSetup(policy, BlockAllocator(blocks), max_num_seqs, pool, None, f"{kv.mode}: {blocks} GPU blocks")
@@ -68,7 +69,8 @@ def build_retrieval(model_cfg, cache, kv, gpu_kv_blocks, max_model_len, max_num_
     bs, per_block = cache.block_size, bytes_per_block(model_cfg, cache.block_size, dtype)
     host_blocks = host_block_count(cache, kv, per_block, device)
     width = kv.working_set_tokens // bs + (kv.mode == "oasis")  # oasis: room for the block a draft token opens
-    summary_blocks = -(-host_blocks // bs)  # summaries cost 1/block_size of the KV they describe
+    parts = kv.summary_parts(bs)
+    summary_blocks = -(-host_blocks * parts // bs)  # summaries cost parts / block_size of the KV they describe
     rows = min(max_num_seqs, (gpu_kv_blocks - summary_blocks) // width)
     if rows < 1:
         raise ValueError(f"the GPU has room for {gpu_kv_blocks} KV blocks: not enough for the summaries of "
@@ -76,7 +78,7 @@ def build_retrieval(model_cfg, cache, kv, gpu_kv_blocks, max_model_len, max_num_
     pool = KVPool(model_cfg, rows * width, bs, dtype, device)
     host = HostStore(model_cfg, store_blocks or host_blocks, bs, dtype, pin=device.type == "cuda")
     ws = WorkingSet(model_cfg.num_layers, rows, width, -(-max_model_len // bs) + 1, device)
-    summaries = BlockSummaries(model_cfg, host_blocks, dtype, device)
+    summaries = BlockSummaries(model_cfg, host_blocks, dtype, device, parts)
     policy_class = policy_class or tiered_policy(kv)
     policy = policy_class(pool, host, ws, kv, summaries, bs, model_cfg.head_dim ** -0.5, device, timing)
     return KVSetup(policy, BlockAllocator(host_blocks), rows, pool, host,

@@ -142,18 +142,18 @@ class SparsePolicy(KVPolicy):
         if self.cfg.block_score == "mass":
             return self.local_scores_multi(layer, q[None], tables, nblocks[None])[0]
         score = block_scores if self.cuda else block_scores_reference
-        return score(q, self.summaries.layer(layer), tables, nblocks)
+        return score(q, self.summaries.layer(layer), tables, nblocks, self.summaries.parts)
 
     def local_scores_multi(self, layer: int, q: torch.Tensor, tables: torch.Tensor,
                            nblocks: torch.Tensor) -> torch.Tensor:
         """Scores of NQ queries per sequence, q [NQ, B, Hq, D], nblocks [NQ, B] -> fp32 [NQ, B, blocks], this
         rank's heads; the summaries are read once for all queries."""
-        summaries = self.summaries.layer(layer)
+        summaries, parts = self.summaries.layer(layer), self.summaries.parts
         if self.cfg.block_score == "mass":
             score = block_mass_scores_multi if self.cuda else block_mass_scores_multi_reference
-            return score(q, summaries, tables, nblocks, self.scale)
+            return score(q, summaries, tables, nblocks, self.scale, parts)
         score = block_scores_multi if self.cuda else block_scores_multi_reference
-        return score(q, summaries, tables, nblocks)
+        return score(q, summaries, tables, nblocks, parts)
 
     def combined(self, scores: torch.Tensor) -> torch.Tensor:
         """This rank's block scores -> the whole model's (tensor parallelism: one collective); else as is."""
