@@ -102,10 +102,12 @@ def main(args: argparse.Namespace) -> None:
     try:
         config = base_config(args)
         caps = args.fetch_cap or [config.kv.fetch_cap]  # oasis rows always name their cap (oasis@0.05)
+        block_size = config.cache.block_size
+        sizes = [None if n == block_size else n for n in args.summary_tokens or []]  # whole blocks: not named
         variants, skipped = split_runnable(expand_variants(args.modes, args.kv_budget, caps, args.draft,
                                                            args.block_score, args.miss_policy, args.select_per,
-                                                           args.summary_tokens),
-                                           config.cache.block_size)
+                                                           sizes),
+                                           block_size)
         documents = load_corpus(args.corpus, args.cache_dir)
         settings_used = {**{k: v for k, v in vars(args).items() if k != "func"},
                          "skipped": [v.label for v in skipped]}
