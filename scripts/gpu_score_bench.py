@@ -3,8 +3,9 @@ as CUDA-graph replays of one call per layer (gpu_select_bench's per_call_us), th
 bandwidth against the HBM copy's, and whether each variant's scores equal the default tuning's.
 --mass: the same for --block-score mass (kernels/block_mass.py), beside the bound's default tuning; its
 tunings change the order of the normaliser's sums, so they are compared with the default to 1e-5.
+--parts N: N summaries per block (--summary-tokens 16 / N).
 
-    PYTHONPATH=. python scripts/gpu_score_bench.py [--batch 16] [--blocks 1025] [--mass] [--json FILE]
+    PYTHONPATH=. python scripts/gpu_score_bench.py [--batch 16] [--blocks 1025] [--mass] [--parts 4] [--json FILE]
 """
 from __future__ import annotations
 
@@ -19,11 +20,11 @@ from oasiskv.kernels.block_select import _launch_scores
 from scripts.gpu_select_bench import per_call_us
 
 
-def inputs(batch: int, blocks: int, nq: int, hq: int, hkv: int, d: int):
+def inputs(batch: int, blocks: int, nq: int, hq: int, hkv: int, d: int, parts: int = 1):
     g = torch.Generator(device="cuda").manual_seed(0)
     pool = batch * blocks + 7
-    lo = torch.randn(pool, hkv, d, device="cuda", generator=g, dtype=torch.bfloat16)
-    summaries = torch.stack([lo, lo + torch.rand(pool, hkv, d, device="cuda", generator=g).bfloat16()], 1)
+    lo = torch.randn(pool * parts, hkv, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    summaries = torch.stack([lo, lo + torch.rand(pool * parts, hkv, d, device="cuda", generator=g).bfloat16()], 1)
     q = torch.randn(nq, batch, hq, d, device="cuda", generator=g, dtype=torch.bfloat16)
     tables = torch.randperm(pool, device="cuda", generator=g)[:batch * blocks].view(batch, blocks).int()
     counts = torch.full((nq, batch), blocks, dtype=torch.int32, device="cuda")
@@ -38,6 +39,7 @@ def main() -> None:
     p.add_argument("--heads", default="32,8,128", help="Hq,Hkv,D (qwen3-8b)")
     p.add_argument("--layers", type=int, default=36, help="calls per graph")
     p.add_argument("--mass", action="store_true", help="time --block-score mass's kernels instead")
+    p.add_argument("--parts", type=int, default=1, help="summaries per block (--summary-tokens 16 / parts)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     hq, hkv, d = (int(x) for x in args.heads.split(","))
@@ -53,12 +55,12 @@ def main() -> None:
 def mass_rows(args, hq: int, hkv: int, d: int, hbm: float) -> list[dict]:
     rows = []
     for nq in (1, 2):
-        q, summaries, tables, counts = inputs(args.batch, args.blocks, nq, hq, hkv, d)
-        read = args.batch * args.blocks * summaries[0].numel() * summaries.element_size()
-        bound_us = per_call_us(lambda: _launch_scores(q, summaries, tables, counts), args.layers)
-        ref = block_mass._launch(q, summaries, tables, counts, d ** -0.5)
+        q, summaries, tables, counts = inputs(args.batch, args.blocks, nq, hq, hkv, d, args.parts)
+        read = args.batch * args.blocks * args.parts * summaries[0].numel() * summaries.element_size()
+        bound_us = per_call_us(lambda: _launch_scores(q, summaries, tables, counts, args.parts), args.layers)
+        ref = block_mass._launch(q, summaries, tables, counts, d ** -0.5, args.parts)
         for block_n, warps in itertools.product((16, 32, 64, 128), (2, 4, 8)):
-            run = lambda: block_mass._launch(q, summaries, tables, counts, d ** -0.5,  # noqa: E731
+            run = lambda: block_mass._launch(q, summaries, tables, counts, d ** -0.5, args.parts,  # noqa: E731
                                              block_n=block_n, num_warps=warps)
             close = torch.allclose(run(), ref, rtol=1e-5, atol=1e-7)
             us = per_call_us(run, args.layers)
@@ -78,12 +80,12 @@ def mass_rows(args, hq: int, hkv: int, d: int, hbm: float) -> list[dict]:
 def bound_rows(args, hq: int, hkv: int, d: int, hbm: float) -> list[dict]:
     rows = []
     for nq in (1, 2):
-        q, summaries, tables, counts = inputs(args.batch, args.blocks, nq, hq, hkv, d)
-        ref = _launch_scores(q, summaries, tables, counts)
-        read = args.batch * args.blocks * summaries[0].numel() * summaries.element_size()
+        q, summaries, tables, counts = inputs(args.batch, args.blocks, nq, hq, hkv, d, args.parts)
+        ref = _launch_scores(q, summaries, tables, counts, args.parts)
+        read = args.batch * args.blocks * args.parts * summaries[0].numel() * summaries.element_size()
         for block_n, warps, stages in itertools.product((16, 32, 64, 128), (2, 4, 8), (None, 3)):
-            run = lambda: _launch_scores(q, summaries, tables, counts, block_n=block_n, num_warps=warps,  # noqa: E731
-                                         num_stages=stages)
+            run = lambda: _launch_scores(q, summaries, tables, counts, args.parts, block_n=block_n,  # noqa: E731
+                                         num_warps=warps, num_stages=stages)
             same = torch.equal(run(), ref)
             us = per_call_us(run, args.layers)
             row = {"nq": nq, "block_n": block_n, "num_warps": warps, "num_stages": stages, "us": round(us, 2),

@@ -10,7 +10,7 @@ from oasiskv.kernels import block_mass
 from oasiskv.kernels.block_mass import RADIUS_WEIGHT, block_mass_scores_multi, block_mass_scores_multi_reference
 from oasiskv.kernels.block_select import block_scores_multi_reference
 
-from tests.kernel_device import DEV, INTERPRETED, ON_GPU  # noqa: E402
+from tests.kernel_device import DEV, INTERPRETED, ON_GPU, run_without_interpreter  # noqa: E402
 from tests.test_kernel_block_select import SHAPES as SELECT_SHAPES, _case
 
 # several tiles, empty sequences, GQA groups; and more tiles than one fold of the normaliser reads (> 64)
@@ -142,3 +142,10 @@ def test_bad_arguments_raise(fn):
         fn(q[None], s, tables, nb, 0.1)
     with pytest.raises(ValueError, match="num_blocks must be in"):
         fn(q[None], s, tables, (nb + 1)[None], 0.1)
+
+
+@pytest.mark.parametrize("parts", [1, 4])
+def test_mass_kernels_compile_for_the_h200(parts):
+    """The GPU lowering of the sub-block fold (a reshape and a sum), which the interpreter does not check."""
+    run_without_interpreter("from oasiskv.kernels.block_mass import compile_for\n"
+                            f"assert all(k.asm['cubin'] for k in compile_for(90, {parts}))\n")

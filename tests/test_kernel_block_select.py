@@ -17,7 +17,7 @@ from oasiskv.kernels.block_select import (
 )
 from oasiskv.kernels.block_summary import update_block_summaries
 
-from tests.kernel_device import DEV, INTERPRETED, ON_GPU  # noqa: E402
+from tests.kernel_device import DEV, INTERPRETED, ON_GPU, run_without_interpreter  # noqa: E402
 
 
 def _case(bsz, hq, hkv, d, max_blocks, num_blocks_per_seq, dtype, seed=0, strided_q=False, device="cpu", parts=1):
@@ -338,3 +338,10 @@ def test_select_blocks_empty_shapes():
     assert indptr.tolist() == [0, 0, 0] and indices.numel() == 0
     counts, padded = select_blocks_padded(torch.zeros(2, 0, device=DEV), nb, 4, 1, 1)
     assert counts.tolist() == [0, 0] and padded.shape == (2, 0)
+
+
+@pytest.mark.parametrize("parts", [1, 4])
+def test_score_kernel_compiles_for_the_h200(parts):
+    """The GPU lowering of the sub-block fold (a reshape and a max), which the interpreter does not check."""
+    run_without_interpreter("from oasiskv.kernels.block_select import compile_for\n"
+                            f"assert compile_for(90, {parts}).asm['cubin']\n")

@@ -257,3 +257,24 @@ def _launch(q, summaries, block_tables, num_blocks, scale: float, parts: int = 1
         *estimates.stride(), *part_max.stride(), *num_blocks.stride(), *scores.stride(),
         max_blocks, tiles, scale_log2, HQ=hq, HQ_POW2=triton.next_power_of_2(hq), TILE_CHUNK=_TILE_CHUNK, **common)
     return scores
+
+
+def compile_for(arch: int, parts: int):
+    """Both kernels compiled ahead of time (kernels/aot.py) at qwen3-8b's heads in bf16, x_t and its draft (NQ 2),
+    `parts` summaries per block."""
+    from oasiskv.kernels.aot import compile_ahead
+
+    common = dict(NQ=2, HKV=8, GROUP=4, BLOCK_N=_BLOCK_N, PARTS=parts)
+    estimates = compile_ahead(
+        _head_estimates_kernel,
+        {"q_ptr": "*bf16", "summaries_ptr": "*bf16", "block_tables_ptr": "*i32", "num_blocks_ptr": "*i32",
+         "estimates_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32"},
+        dict(common, NQ_POW2=2, ROWS=16, BLOCK_D=128, DOT_FP32=False, RADIUS=RADIUS_WEIGHT), arch,
+        num_warps=_NUM_WARPS, scalars={"scale_log2": "fp32"})
+    mass = compile_ahead(
+        _mass_kernel,
+        {"estimates_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "num_blocks_ptr": "*i32",
+         "scores_ptr": "*fp32"},
+        dict(common, HQ=32, HQ_POW2=32, TILE_CHUNK=_TILE_CHUNK), arch, num_warps=_NUM_WARPS,
+        scalars={"scale_log2": "fp32"})
+    return estimates, mass

@@ -378,6 +378,17 @@ def _launch_scores(q, summaries, block_tables, num_blocks, parts: int = 1, block
     return scores
 
 
+def compile_for(arch: int, parts: int):
+    """_block_scores_kernel compiled ahead of time (kernels/aot.py) at qwen3-8b's heads in bf16, x_t and its draft
+    (NQ 2), `parts` summaries per block."""
+    from oasiskv.kernels.aot import compile_ahead
+
+    pointers = {"q_ptr": "*bf16", "summaries_ptr": "*bf16", "block_tables_ptr": "*i32", "num_blocks_ptr": "*i32",
+                "scores_ptr": "*fp32"}
+    meta = dict(NQ=2, NQ_POW2=2, HKV=8, GROUP=4, ROWS=16, BLOCK_N=_BLOCK_N, BLOCK_D=128, DOT_FP32=False, PARTS=parts)
+    return compile_ahead(_block_scores_kernel, pointers, meta, arch)
+
+
 def _check_select_args(scores, num_blocks_per_seq, budget_blocks, sink_blocks, local_blocks):
     if scores.dim() != 2 or not scores.is_floating_point():
         raise ValueError(f"scores must be a float [B, max_blocks] tensor, got {scores.dtype} {tuple(scores.shape)}")
