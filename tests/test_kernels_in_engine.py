@@ -65,10 +65,8 @@ def generate(tiny: str, lengths: str, forced: bool, block_score: str, miss_polic
 @pytest.mark.slow
 @pytest.mark.parametrize("lengths, block_score, miss_policy, select_per, summary_tokens", [
     ("300", "bound", "skip", "layer", 0), ("300,90,200", "bound", "skip", "layer", 0),
-    ("300,90,200", "mass", "skip", "layer", 0), ("300,90,200", "bound", "fill", "layer", 0),
-    ("300,90,200", "mass", "fill", "kv-head", 4)],
-    ids=["one_request", "three_requests", "three_requests_mass", "three_requests_fill",
-         "three_requests_per_kv_head_4_token_summaries"])
+    ("300,90,200", "bound", "fill", "layer", 0), ("300,90,200", "mass", "skip", "kv-head", 4)],
+    ids=["one_request", "three_requests", "three_requests_fill", "three_requests_mass_per_kv_head_4_token_summaries"])
 def test_every_gpu_kernel_in_the_engine_gives_the_torch_tokens_and_counters(tmp_path, lengths, block_score,
                                                                           miss_policy, select_per, summary_tokens):
     tiny = write_tiny_config(tmp_path / "tiny")
