@@ -99,7 +99,9 @@ def test_perfect_draft_with_full_cap_gives_quest_tokens_per_kv_head(quest_per_he
     oasis, stats = run_with_perfect_draft(llm, LONG, quest_per_head)
     assert oasis == quest_per_head
     assert stats["kv_prefetched_blocks"] > 0
-    assert len(stats["kv_agreement_per_layer"]) == 30 * 3  # one lane per layer and KV head
+    per_head, per_layer = stats["kv_agreement_per_kv_head"], stats["kv_agreement_per_layer"]
+    assert len(per_head) == len(per_layer) == 30 and all(len(heads) == 3 for heads in per_head)
+    assert per_layer == [pytest.approx(sum(heads) / 3, abs=1e-6) for heads in per_head]
 
 
 @pytest.mark.parametrize("mode", ["quest", "oasis"])

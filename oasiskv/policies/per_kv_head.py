@@ -6,8 +6,9 @@ budget. The policies need no change for it: their storage (pool, host store, sum
 built for a "lane" model whose every layer is split into its KV heads, one KV head per lane
 (lane = layer x kv_heads + head), and attend() runs the policy once per lane on that head's group of
 query heads. A block of the lane model costs what a block of the model costs, so memory budgets, block
-ids and the scheduler are unchanged; host chunks and transfers are per lane (1/kv_heads of a block).
-Counters kept per layer (agreement per layer) are per lane."""
+ids and the scheduler are unchanged; host chunks and transfers are per lane (1/kv_heads of a block), and
+block counters count lane blocks. Per-layer lists (agreement) come per lane from the policy: stats() keeps
+them as [layer][KV head] under `*_per_kv_head` and gives each layer's mean under `*_per_layer`."""
 from __future__ import annotations
 
 import dataclasses
@@ -42,6 +43,21 @@ class PerKVHead:
             out[:, queries] = super().attend(layer * self.kv_heads + head, q[:, queries].contiguous(),
                                              k[:, head:head + 1].contiguous(), v[:, head:head + 1].contiguous())
         return out
+
+    def stats(self) -> dict:
+        # a layer's KV heads each select as many blocks, so the mean of their ratios is the layer's ratio
+        out = super().stats()
+        for key in [k for k, v in out.items() if k.endswith("_per_layer") and isinstance(v, list)]:
+            lanes = out[key]
+            per_head = [lanes[i:i + self.kv_heads] for i in range(0, len(lanes), self.kv_heads)]
+            out[key.removesuffix("_per_layer") + "_per_kv_head"] = per_head
+            out[key] = [mean_or_none(heads) for heads in per_head]
+        return out
+
+
+def mean_or_none(values: list) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(sum(known) / len(known), 6) if known else None
 
 
 @functools.cache
