@@ -111,6 +111,14 @@ def test_budget_above_the_context_is_dense_per_kv_head(mode):
     assert run(LLM(show_progress=False, kv_mode=mode, **roomy), LONG) == dense
 
 
+def test_dense_layers_count_layers_not_lanes():
+    """--dense-layers 30 leaves SmolLM2's 30 layers, all 90 of their lanes, dense: dense's tokens at a small budget."""
+    dense = run(LLM(show_progress=False, kv_mode="dense", kv_cache_gb=0.2), LONG)
+    llm = LLM(show_progress=False, kv_mode="quest", select_per="kv-head", dense_layers=30, **SPARSE)
+    assert run(llm, LONG) == dense
+    assert llm.engine.policy.cfg.dense_layers == 90
+
+
 def test_sub_block_summaries_keep_retrieval_and_a_perfect_oasis_equal_to_quest():
     finer = dict(SPARSE, block_score="mass", select_per="kv-head", summary_tokens=4)
     quest = run(LLM(show_progress=False, kv_mode="quest", **finer), LONG)
