@@ -25,8 +25,9 @@ prediction exact: a draft that opens a block scores it before the block has a su
 padding), and at the next step that block is x_t's tail. Without the tail, the draft's normaliser runs over the
 same blocks, with the same summaries, as the next step's.
 
-Two kernels: the first writes every head's estimates and, per tile of blocks, their max and sum of
-exponentials; the second folds the tiles into each head's normaliser and writes the scores.
+Three kernels: the first writes every head's estimates and, per tile of blocks, their max and sum of
+exponentials; the second folds the tiles into each head's normaliser, once per sequence; the third writes the
+scores.
 """
 from __future__ import annotations
 
@@ -114,30 +115,20 @@ def _head_estimates_kernel(
 
 
 @triton.jit
-def _mass_kernel(
-    estimates_ptr, part_max_ptr, part_sum_ptr, num_blocks_ptr, scores_ptr,
-    s_bd_n, s_bd_b, s_bd_h, s_bd_j,
-    s_pt_n, s_pt_b, s_pt_h, s_pt_t,
-    s_nb_n, s_nb_b, s_out_n, s_out_b, s_out_j,
-    max_blocks, num_tiles, scale_log2,
-    NQ: tl.constexpr, HQ: tl.constexpr, HQ_POW2: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr, TILE_CHUNK: tl.constexpr, PARTS: tl.constexpr,
+def _normaliser_kernel(
+    part_max_ptr, part_sum_ptr, norm_ptr,
+    s_pt_n, s_pt_b, s_pt_h, s_pt_t, s_nm_k, s_nm_n, s_nm_b,
+    num_tiles, scale_log2,
+    NQ: tl.constexpr, HQ: tl.constexpr, HQ_POW2: tl.constexpr, TILE_CHUNK: tl.constexpr,
 ):
-    # Grid (batch, tile of BLOCK_N summary rows). Every query head at once (rows): its normaliser from every
-    # tile's (max, sum), then p = exp(scale * (e - max)) / sum for this tile's (sub-)blocks; then, in registers,
-    # each block's parts summed per head, each group's best head, summed over groups.
-    BLOCKS: tl.constexpr = BLOCK_N // PARTS
+    # Grid (batch). Every query head at once (rows): its normaliser, folded from every tile's (max, sum) once,
+    # stored as (max, sum) for the mass kernel's programs to read (each folding it again would cost the square of
+    # the tiles).
     b = tl.program_id(0)
-    tile = tl.program_id(1)
-    j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    blk = j // PARTS
-    jb = tile * BLOCKS + tl.arange(0, BLOCKS)
     h = tl.arange(0, HQ_POW2)
     h_ok = h < HQ
     t = tl.arange(0, TILE_CHUNK)
     for qi in tl.static_range(NQ):
-        count = tl.load(num_blocks_ptr + qi * s_nb_n + b * s_nb_b)
-        valid = (blk < count) & (blk < max_blocks)
         part = qi * s_pt_n + b.to(tl.int64) * s_pt_b + h[:, None] * s_pt_h
         run_max = tl.full([HQ_POW2], float("-inf"), dtype=tl.float32)
         run_sum = tl.zeros([HQ_POW2], dtype=tl.float32)
@@ -150,6 +141,38 @@ def _mass_kernel(
             run_sum = run_sum * tl.exp2((run_max - base) * scale_log2) + tl.sum(
                 s * tl.exp2((m - base[:, None]) * scale_log2), axis=1)
             run_max = new_max
+        out = norm_ptr + qi * s_nm_n + b.to(tl.int64) * s_nm_b + h
+        tl.store(out, run_max, mask=h_ok)
+        tl.store(out + s_nm_k, run_sum, mask=h_ok)
+
+
+@triton.jit
+def _mass_kernel(
+    estimates_ptr, norm_ptr, num_blocks_ptr, scores_ptr,
+    s_bd_n, s_bd_b, s_bd_h, s_bd_j,
+    s_nm_k, s_nm_n, s_nm_b,
+    s_nb_n, s_nb_b, s_out_n, s_out_b, s_out_j,
+    max_blocks, scale_log2,
+    NQ: tl.constexpr, HQ: tl.constexpr, HQ_POW2: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr, PARTS: tl.constexpr,
+):
+    # Grid (batch, tile of BLOCK_N summary rows). Every query head at once (rows): p = exp(scale * (e - max)) / sum
+    # for this tile's (sub-)blocks with the head's normaliser; then, in registers, each block's parts summed per
+    # head, each group's best head, summed over groups.
+    BLOCKS: tl.constexpr = BLOCK_N // PARTS
+    b = tl.program_id(0)
+    tile = tl.program_id(1)
+    j = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    blk = j // PARTS
+    jb = tile * BLOCKS + tl.arange(0, BLOCKS)
+    h = tl.arange(0, HQ_POW2)
+    h_ok = h < HQ
+    for qi in tl.static_range(NQ):
+        count = tl.load(num_blocks_ptr + qi * s_nb_n + b * s_nb_b)
+        valid = (blk < count) & (blk < max_blocks)
+        norm = norm_ptr + qi * s_nm_n + b.to(tl.int64) * s_nm_b + h
+        run_max = tl.load(norm, mask=h_ok, other=float("-inf"))
+        run_sum = tl.load(norm + s_nm_k, mask=h_ok, other=0.0)
         base = tl.where(run_max > float("-inf"), run_max, 0.0)
         est = tl.load(estimates_ptr + qi * s_bd_n + b.to(tl.int64) * s_bd_b + h[:, None] * s_bd_h + j[None, :] * s_bd_j,
                       mask=h_ok[:, None] & valid[None, :], other=float("-inf"))
@@ -252,29 +275,34 @@ def _launch(q, summaries, block_tables, num_blocks, scale: float, parts: int = 1
         *estimates.stride(), *part_max.stride(), max_blocks, d, scale_log2,
         NQ_POW2=triton.next_power_of_2(nq), BLOCK_D=max(16, triton.next_power_of_2(d)),
         DOT_FP32=q.dtype == torch.float32 or q.dtype != summaries.dtype, RADIUS=RADIUS_WEIGHT, ROWS=rows, **common)
+    norm = torch.empty((2, nq, bsz, hq), dtype=torch.float32, device=q.device)  # each head's (max, sum)
+    heads = dict(NQ=nq, HQ=hq, HQ_POW2=triton.next_power_of_2(hq))
+    _normaliser_kernel[(bsz,)](
+        part_max, part_sum, norm, *part_max.stride(), *norm.stride()[:3], tiles, scale_log2,
+        TILE_CHUNK=_TILE_CHUNK, num_warps=num_warps, **heads)
     _mass_kernel[(bsz, tiles)](
-        estimates, part_max, part_sum, num_blocks, scores,
-        *estimates.stride(), *part_max.stride(), *num_blocks.stride(), *scores.stride(),
-        max_blocks, tiles, scale_log2, HQ=hq, HQ_POW2=triton.next_power_of_2(hq), TILE_CHUNK=_TILE_CHUNK, **common)
+        estimates, norm, num_blocks, scores,
+        *estimates.stride(), *norm.stride()[:3], *num_blocks.stride(), *scores.stride(),
+        max_blocks, scale_log2, **dict(common, **heads))
     return scores
 
 
 def compile_for(arch: int, parts: int):
-    """Both kernels compiled ahead of time (kernels/aot.py) at qwen3-8b's heads in bf16, x_t and its draft (NQ 2),
-    `parts` summaries per block."""
+    """The three kernels compiled ahead of time (kernels/aot.py) at qwen3-8b's heads in bf16, x_t and its draft
+    (NQ 2), `parts` summaries per block."""
     from oasiskv.kernels.aot import compile_ahead
 
-    common = dict(NQ=2, HKV=8, GROUP=4, BLOCK_N=_BLOCK_N, PARTS=parts)
+    common, floats = dict(NQ=2, HQ=32, HQ_POW2=32), {"scale_log2": "fp32"}
     estimates = compile_ahead(
         _head_estimates_kernel,
         {"q_ptr": "*bf16", "summaries_ptr": "*bf16", "block_tables_ptr": "*i32", "num_blocks_ptr": "*i32",
          "estimates_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32"},
-        dict(common, NQ_POW2=2, ROWS=16, BLOCK_D=128, DOT_FP32=False, RADIUS=RADIUS_WEIGHT), arch,
-        num_warps=_NUM_WARPS, scalars={"scale_log2": "fp32"})
+        dict(NQ=2, HKV=8, GROUP=4, BLOCK_N=_BLOCK_N, PARTS=parts, NQ_POW2=2, ROWS=16, BLOCK_D=128, DOT_FP32=False,
+             RADIUS=RADIUS_WEIGHT), arch, num_warps=_NUM_WARPS, scalars=floats)
+    normaliser = compile_ahead(
+        _normaliser_kernel, {"part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "norm_ptr": "*fp32"},
+        dict(common, TILE_CHUNK=_TILE_CHUNK), arch, num_warps=_NUM_WARPS, scalars=floats)
     mass = compile_ahead(
-        _mass_kernel,
-        {"estimates_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32", "num_blocks_ptr": "*i32",
-         "scores_ptr": "*fp32"},
-        dict(common, HQ=32, HQ_POW2=32, TILE_CHUNK=_TILE_CHUNK), arch, num_warps=_NUM_WARPS,
-        scalars={"scale_log2": "fp32"})
-    return estimates, mass
+        _mass_kernel, {"estimates_ptr": "*fp32", "norm_ptr": "*fp32", "num_blocks_ptr": "*i32", "scores_ptr": "*fp32"},
+        dict(common, HKV=8, GROUP=4, BLOCK_N=_BLOCK_N, PARTS=parts), arch, num_warps=_NUM_WARPS, scalars=floats)
+    return estimates, normaliser, mass
