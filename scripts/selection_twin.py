@@ -52,12 +52,18 @@ class Rule:
     # one selection per layer: how the KV heads' scores (each the best of its group's heads) combine: "sum" (the
     # engine's) or "max" (a block one head wants ranks by that head's score alone)
     combine: str = "sum"
+    # the blocks left out still count, estimated (RetroInfer's idea): each as its block's mean key and mean value,
+    # weighted by its token count, beside the exact attention to the selected keys
+    rest: bool = False
+    dense_layer: int | None = None  # this layer attends densely (--ablate-layers: what each layer's selection costs)
 
     @property
     def label(self) -> str:
         sub = f" ({self.summary}-token summaries)" if self.summary not in (None, self.block) else ""
         combined = " per KV head" if self.per_kv_head else " max over KV heads" if self.combine == "max" else ""
-        return f"{self.score} block {self.block}{sub}{combined}"
+        rest = " + rest" if self.rest else ""
+        dense = f" + layer {self.dense_layer} dense" if self.dense_layer is not None else ""
+        return f"{self.score} block {self.block}{sub}{combined}{rest}{dense}"
 
 
 active: Rule | None = None  # the rule of the scored pass now running; the prefix pass is always dense
@@ -158,7 +164,7 @@ def twin_attention(module, query, key, value, attention_mask, scaling=None, drop
     pos = torch.arange(s, device=query.device)
     causal = pos[None] <= pos[s - sq:, None]
     logits = logits.masked_fill(~causal, float("-inf"))
-    if active is not None:
+    if active is not None and active.dense_layer != getattr(module, "layer_idx", None):
         scores = head_scores(active, q, k, logits.softmax(-1), scaling)
         scores = scores.view(-1, group, sq, scores.shape[-1]).amax(1)  # best head of each KV group
         if not active.per_kv_head:
@@ -166,9 +172,30 @@ def twin_attention(module, query, key, value, attention_mask, scaling=None, drop
         keep = selected_keys(active, scores, s, s - sq)
         if active.per_kv_head:
             keep = keep.repeat_interleave(group, 0)
+        if active.rest:
+            return rest_estimated(active, logits, keep, q, k, v, scaling, group).to(query.dtype).transpose(0, 1)[
+                None].contiguous(), None
         logits = logits.masked_fill(~keep, float("-inf"))
     out = logits.softmax(-1) @ v.repeat_interleave(group, 0)
     return out.to(query.dtype).transpose(0, 1)[None].contiguous(), None
+
+
+def rest_estimated(rule: Rule, logits, keep, q, k, v, scale: float, group: int) -> torch.Tensor:
+    """Attention [Hq, Sq, D] to the selected keys exactly and to every other whole block the row sees as one key:
+    the block's mean key and mean value, its logit raised by log(tokens) (the block stands for them all).
+    logits [Hq, Sq, S] (causal, -inf beyond); keep bool [Hq or 1, Sq, S]."""
+    hq, sq, s = logits.shape
+    nb = s // rule.block  # whole blocks only: a row's partial tail is in its local window, always selected
+    mean_k = k[:, :nb * rule.block].view(k.shape[0], nb, rule.block, -1).mean(2).repeat_interleave(group, 0)
+    mean_v = v[:, :nb * rule.block].view(v.shape[0], nb, rule.block, -1).mean(2).repeat_interleave(group, 0)
+    blocks_kept = keep[..., :nb * rule.block].view(keep.shape[0], sq, nb, rule.block).any(-1)
+    first_row = s - sq
+    visible = (torch.arange(nb, device=q.device)[None] + 1) * rule.block <= (
+        torch.arange(sq, device=q.device) + first_row + 1)[:, None]  # [Sq, NB]: the row sees the whole block
+    estimated = (q @ mean_k.transpose(1, 2)) * scale + math.log(rule.block)
+    estimated = estimated.masked_fill(blocks_kept | ~visible[None], float("-inf"))
+    joint = torch.cat([logits.masked_fill(~keep, float("-inf")), estimated], -1).softmax(-1)
+    return joint[..., :s] @ v.repeat_interleave(group, 0) + joint[..., s:] @ mean_v
 
 
 def register() -> str:
@@ -245,10 +272,11 @@ def parse_rules(args) -> list[Rule]:
             if -(-SINK_TOKENS // block) + -(-LOCAL_TOKENS // block) > args.budget // block:
                 raise SystemExit(f"error: sink and local window exceed the budget at block size {block}")
             for sub in [None, *sub_summaries(args, score, block)]:
-                for combine in combines(args):
-                    rules.append(Rule(score, block, False, args.budget, sub, combine))
-                if args.per_kv_head:
-                    rules.append(Rule(score, block, True, args.budget, sub))
+                for rest in rests(args):
+                    for combine in combines(args):
+                        rules.append(Rule(score, block, False, args.budget, sub, combine, rest))
+                    if args.per_kv_head:
+                        rules.append(Rule(score, block, True, args.budget, sub, rest=rest))
     return rules
 
 
@@ -257,6 +285,13 @@ def combines(args) -> list[str]:
     if not set(combine) <= {"sum", "max"}:
         raise SystemExit(f"error: --combine takes sum and max, not {args.combine!r}")
     return combine
+
+
+def rests(args) -> list[bool]:
+    rest = args.rest.split(",")
+    if not set(rest) <= {"none", "mean"}:
+        raise SystemExit(f"error: --rest takes none and mean, not {args.rest!r}")
+    return [r == "mean" for r in rest]
 
 
 def sub_summaries(args, score: str, block: int) -> list[int]:
@@ -341,6 +376,10 @@ def main() -> None:
                    help="also one selection per KV head (default: yes)")
     p.add_argument("--combine", default="sum", help="per-layer selections: sum (the engine's) and/or max of the KV "
                    "heads' scores, e.g. sum,max")
+    p.add_argument("--rest", default="none", help="none (attend to the selection only) and/or mean (also the blocks "
+                   "left out, each estimated by its mean key and value), e.g. none,mean")
+    p.add_argument("--ablate-layers", action="store_true", help="also each rule with one layer dense, for every layer: "
+                   "how much each layer's selection costs")
     p.add_argument("--corpus", default="austen")
     p.add_argument("--tie-nats", type=float, default=math.log(2))
     p.add_argument("--json", default=None)
@@ -359,6 +398,9 @@ def main() -> None:
     path = args.model or embedded_default_path()
     rules = parse_rules(args)
     model = load_model(path, getattr(torch, args.dtype))
+    if args.ablate_layers:
+        rules += [dataclasses.replace(r, dense_layer=layer) for r in rules
+                  for layer in range(model.config.num_hidden_layers)]
     windows = windows_for(path, args)
     t0 = time.perf_counter()
     per_rule: list[list[torch.Tensor]] = [[] for _ in range(len(rules) + 1)]

@@ -2,6 +2,8 @@
 scored pass against one decode step per row, and dense's rows whenever the budget covers the context."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -111,10 +113,10 @@ def test_oracle_selection_keeps_the_blocks_of_most_attention_mass(per_kv_head, c
 def test_the_rule_needs_room_for_sink_and_local_window():
     with pytest.raises(SystemExit, match="exceed the budget"):
         twin.parse_rules(type("A", (), {"scores": "bound", "block_sizes": "4", "budget": 64, "per_kv_head": False,
-                                           "summary_tokens": "", "combine": "sum"}))
+                                           "summary_tokens": "", "combine": "sum", "rest": "none"}))
     with pytest.raises(SystemExit, match="must divide"):
         twin.parse_rules(type("A", (), {"scores": "bound", "block_sizes": "48", "budget": 64, "per_kv_head": False,
-                                           "summary_tokens": "", "combine": "sum"}))
+                                           "summary_tokens": "", "combine": "sum", "rest": "none"}))
 
 
 def test_sub_block_summaries_give_a_tighter_bound_that_still_holds():
@@ -128,7 +130,7 @@ def test_sub_block_summaries_give_a_tighter_bound_that_still_holds():
     per_half = twin.head_scores(twin.Rule("bound", 8, False, 64), q, k, probs).view(4, 3, 4, 2).amax(-1)
     torch.testing.assert_close(halves, per_half)
     args = type("A", (), {"scores": "bound,oracle", "block_sizes": "16", "budget": 128, "per_kv_head": False,
-                          "summary_tokens": "8,5", "combine": "sum"})
+                          "summary_tokens": "8,5", "combine": "sum", "rest": "none"})
     assert [r.label for r in twin.parse_rules(args)] == [
         "bound block 16", "bound block 16 (8-token summaries)", "oracle block 16"]
 
@@ -194,10 +196,77 @@ def test_mass_with_sub_block_summaries_sums_each_blocks_share():
             shares = torch.tensor(estimates).mul(scale).softmax(0).view(tail, 4).sum(-1)
             torch.testing.assert_close(got[h, i, :tail], shares, rtol=1e-5, atol=1e-6)
     args = type("A", (), {"scores": "mass", "block_sizes": "16", "budget": 128, "per_kv_head": False,
-                          "summary_tokens": "4", "combine": "sum"})
+                          "summary_tokens": "4", "combine": "sum", "rest": "none"})
     assert [r.label for r in twin.parse_rules(args)] == ["mass block 16", "mass block 16 (4-token summaries)"]
     args.combine, args.per_kv_head = "sum,max", True
     assert [r.label for r in twin.parse_rules(args)] == [
         "mass block 16", "mass block 16 max over KV heads", "mass block 16 per KV head",
         "mass block 16 (4-token summaries)", "mass block 16 (4-token summaries) max over KV heads",
         "mass block 16 (4-token summaries) per KV head"]
+    args.combine, args.per_kv_head, args.summary_tokens, args.rest = "sum", False, "", "none,mean"
+    assert [r.label for r in twin.parse_rules(args)] == ["mass block 16", "mass block 16 + rest"]
+
+
+def rest_case(seed: int, block: int, keys_per_block: bool):
+    """Rows at the last 5 of 160 positions, a selection of sink, local window and one more block (6 of 10), and
+    dense's output."""
+    torch.manual_seed(seed)
+    hq, hkv, d, s, sq, scale = 4, 2, 8, 160, 5, 0.5
+    q, v = torch.randn(hq, sq, d), torch.randn(hkv, s, d)
+    k = torch.randn(hkv, s // block, d).repeat_interleave(block, 1) if keys_per_block else torch.randn(hkv, s, d)
+    rule = twin.Rule("bound", block, False, 96, rest=True)
+    keep, _ = twin_keep(twin.Rule("bound", 16, False, 96), q, k, s - sq)
+    logits = (q @ k.repeat_interleave(2, 0).transpose(1, 2)) * scale
+    causal = torch.arange(s)[None] <= torch.arange(s - sq, s)[:, None]
+    logits = logits.masked_fill(~causal, float("-inf"))
+    dense = logits.softmax(-1) @ v.repeat_interleave(2, 0)
+    return rule, logits, keep, q, k, v, scale, dense
+
+
+@pytest.mark.parametrize("block", [1, 16])
+def test_rest_estimate_is_exact_where_each_block_holds_one_key(block):
+    """A block of one token, or of 16 equal keys (values differing), is its mean key and value exactly: the selection
+    plus the estimated rest is dense attention."""
+    rule, logits, keep, q, k, v, scale, dense = rest_case(9, block, keys_per_block=block > 1)
+    assert not (keep | ~torch.isfinite(logits)).all()  # keys are left out
+    got = twin.rest_estimated(rule, logits, keep, q, k, v, scale, 2)
+    torch.testing.assert_close(got, dense, rtol=1e-5, atol=1e-6)
+
+
+def test_rest_estimate_differs_from_dense_with_distinct_keys_and_from_the_selection_alone():
+    rule, logits, keep, q, k, v, scale, dense = rest_case(10, 16, keys_per_block=False)
+    got = twin.rest_estimated(rule, logits, keep, q, k, v, scale, 2)
+    selection_only = logits.masked_fill(~keep, float("-inf")).softmax(-1) @ v.repeat_interleave(2, 0)
+    assert (got - dense).abs().max() > 1e-3 and (got - selection_only).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_a_dense_layer_attends_to_every_key_and_the_other_layer_still_selects(tiny_llama, layer):
+    """--ablate-layers: with one layer dense, that layer's output is dense's, the other's is the sparse rule's."""
+    from transformers import DynamicCache
+
+    torch.manual_seed(6)
+    ids = torch.randint(0, 97, (1, 400))
+    prefix = 380
+    rule = twin.Rule("bound", 16, False, 80)
+    outputs = {}
+    for name, active in [("dense", None), ("sparse", rule), ("one dense", dataclasses.replace(rule, dense_layer=layer))]:
+        captured = {}
+        hooks = [att.register_forward_hook(lambda m, a, out, i=i: captured.__setitem__(i, out[0]))
+                 for i, att in enumerate(module.self_attn for module in tiny_llama.model.layers)]
+        cache = DynamicCache(config=tiny_llama.config)
+        with torch.inference_mode():
+            tiny_llama(ids[:, :prefix], past_key_values=cache, use_cache=True)
+            twin.active = active
+            try:
+                tiny_llama(ids[:, prefix:], past_key_values=cache, use_cache=True)
+            finally:
+                twin.active = None
+                for h in hooks:
+                    h.remove()
+        outputs[name] = captured
+    other = 1 - layer
+    if layer == 0:  # below layer 1 the runs differ, so only layer 0's output can equal dense's
+        torch.testing.assert_close(outputs["one dense"][0], outputs["dense"][0])
+    assert not torch.allclose(outputs["sparse"][layer], outputs["one dense"][layer])
+    assert not torch.allclose(outputs["one dense"][other], outputs["dense"][other])
