@@ -58,6 +58,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per min/max summary, a divisor of --block-size (default: the block size). A block is "
                         "ranked by its sub-blocks (bound: the best one's; mass: their sum); block_size / N times the "
                         "summaries' memory, and the same blocks move")
+    k.add_argument("--layer-weights", type=layer_weights, default=KV_DEFAULTS.layer_weights, metavar="L=W[,L=W...]",
+                   help="share the tokens of --kv-budget in every layer among the layers by weight (1 where not "
+                        "named), e.g. 7=2.5,18=2.5 gives layers 7 and 18 2.5 times the others' budget, each rounded "
+                        "down to whole blocks; retrieval and oasis keep working sets of the largest budget")
     k.add_argument("--working-set", type=int, default=KV_DEFAULTS.working_set,
                    help="retrieval/oasis: KV tokens per request per layer kept on the GPU (default: --kv-budget); "
                         "more keeps recently used blocks resident, so fewer selected blocks miss")
@@ -78,6 +82,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="selected blocks that were not prefetched: skip them, or fetch them synchronously")
     o.add_argument("--speculative-config", default=None,
                    help='vLLM-style alias: \'{"method": "eagle3", "model": DIR}\' = --draft eagle3 --draft-model DIR')
+
+
+def layer_weights(text: str) -> tuple[tuple[int, float], ...]:
+    """--layer-weights "7=2.5,18=2" -> ((7, 2.5), (18, 2.0)); "" or "none" -> ()."""
+    if text in ("", "none"):
+        return ()
+    try:
+        return tuple((int(layer), float(weight)) for layer, weight in (p.split("=") for p in text.split(",")))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes LAYER=WEIGHT[,LAYER=WEIGHT...], e.g. 7=2.5,18=2.5; got {text!r}")
 
 
 def draft_args(args: argparse.Namespace) -> tuple[str, str | None]:
@@ -107,7 +121,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     draft, draft_model = draft_args(args)
     kv = KVConfig(mode=args.kv_mode, budget=args.kv_budget, sink_blocks=args.sink_blocks,
                   local_blocks=args.local_blocks, dense_layers=args.dense_layers, block_score=args.block_score,
-                  select_per=args.select_per, summary_tokens=args.summary_tokens,
+                  select_per=args.select_per, summary_tokens=args.summary_tokens, layer_weights=args.layer_weights,
                   host_kv_gb=args.host_kv_gb,
                   working_set=args.working_set,
                   fetch_cap=args.fetch_cap, draft=draft, draft_model=draft_model, miss_policy=args.miss_policy)

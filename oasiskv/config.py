@@ -115,6 +115,10 @@ class KVConfig:
     # by their sub-blocks (bound: the best one's; mass: the sum of theirs) at block_size / summary_tokens times the
     # summaries' memory; selection and transfers stay per block
     summary_tokens: int | None = None
+    # (layer, weight) pairs: the layers share the tokens of --kv-budget in each, in proportion to their weights (1 where
+    # not named); layers differ in what a selection loses (docs/ACCURACY.md, "Budgets per layer"). Retrieval and
+    # oasis size every layer's working set for the largest budget
+    layer_weights: tuple[tuple[int, float], ...] = ()
     host_kv_gb: float | None = None  # host store size; default: what the machine can spare
     # retrieval, oasis: tokens per request per layer resident on the GPU (default: the budget). Room beyond
     # the budget keeps recently used blocks, so fewer selected blocks miss; attention still reads the budget
@@ -149,6 +153,8 @@ class KVConfig:
             raise ValueError(f"--dense-layers must be in [0, {num_layers}], got {self.dense_layers}")
         if self.working_set is not None:
             self.validate_working_set(block_size)
+        if self.layer_weights:
+            self.validate_layer_weights(block_size, num_layers)
         if self.dense_layers and self.offloaded:
             raise ValueError(f"--dense-layers is supported in quest mode only ({self.mode} keeps no full KV on the GPU)")
         if self.mode == "oasis":
@@ -162,12 +168,43 @@ class KVConfig:
             raise ValueError(f"--working-set must be a multiple of the block size {block_size} and at least "
                              f"--kv-budget ({self.budget}), got {self.working_set}")
 
+    def validate_layer_weights(self, block_size: int, num_layers: int) -> None:
+        if self.mode == "dense":
+            raise ValueError("--layer-weights needs a sparse --kv-mode (dense attends to every token)")
+        layers = [layer for layer, _ in self.layer_weights]
+        if len(set(layers)) < len(layers) or not all(0 <= layer < num_layers for layer in layers):
+            raise ValueError(f"--layer-weights names each layer once, each in [0, {num_layers - 1}]; got {layers}")
+        if not all(w > 0 for _, w in self.layer_weights):
+            raise ValueError("--layer-weights must be positive")
+        weights = {w for _, w in self.layer_weights} | ({1.0} if len(layers) < num_layers else set())
+        least = self.layer_budget(next(iter(layers)), num_layers, block_size, weight=min(weights))
+        if least < (self.sink_blocks + self.local_blocks) * block_size:
+            raise ValueError(f"--layer-weights leaves a layer {least} tokens, less than its sink and local blocks: "
+                             "raise --kv-budget or bring the weights closer to 1")
+
+    def layer_budget(self, layer: int, num_layers: int, block_size: int, weight: float | None = None) -> int:
+        """Tokens per request of this layer: --kv-budget, or with --layer-weights its share by weight of
+        --kv-budget x num_layers, rounded down to whole blocks (so the layers' sum stays within it)."""
+        if not self.layer_weights:
+            return self.budget
+        named = dict(self.layer_weights)
+        total_weight = num_layers - len(named) + sum(named.values())
+        weight = named.get(layer, 1.0) if weight is None else weight
+        return int(self.budget * num_layers * weight / total_weight + 1e-6) // block_size * block_size
+
+    def working_set_blocks(self, num_layers: int, block_size: int) -> int:
+        """Blocks per request and layer on the GPU (retrieval, oasis): --working-set, or the largest layer budget
+        where that is more (a working set holds its layer's whole selection)."""
+        most = max(self.layer_budget(layer, num_layers, block_size) for layer, _ in self.layer_weights) \
+            if self.layer_weights else self.budget
+        return max(self.working_set_tokens, most) // block_size
+
     def for_mode(self, mode: str, **changes) -> "KVConfig":
         """This configuration for another mode (bench and eval run several from one set of flags):
         --working-set stays with the host modes and is dropped for those that hold everything on the GPU."""
         kv = dataclasses.replace(self, mode=mode, **changes)
         if mode == "dense":  # dense selects nothing: a sweep's --select-per leaves it as it is
-            kv = dataclasses.replace(kv, select_per="layer", summary_tokens=None)
+            kv = dataclasses.replace(kv, select_per="layer", summary_tokens=None, layer_weights=())
         return kv if kv.offloaded else dataclasses.replace(kv, working_set=None)
 
     @property
@@ -191,9 +228,10 @@ class KVConfig:
 
     def require_layer_layout(self, where: str) -> None:
         """For what exchanges or combines whole layers' KV chunks, summaries and block scores."""
-        if self.select_per != "layer" or self.summary_tokens is not None:
-            raise ValueError(f"--select-per kv-head and --summary-tokens are not supported with {where} (it works on "
-                             "one selection, one KV chunk and one summary per layer and block)")
+        if self.select_per != "layer" or self.summary_tokens is not None or self.layer_weights:
+            raise ValueError(f"--select-per kv-head, --summary-tokens and --layer-weights are not supported with "
+                             f"{where} (it works on one selection, one KV chunk and one summary per layer and block, "
+                             "and one budget)")
 
     def summary_parts(self, block_size: int) -> int:
         """Summaries per block."""

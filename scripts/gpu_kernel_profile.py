@@ -3,6 +3,7 @@ graph replays with --graphs), the kernels sorted by total device time, and per C
 time and the span of the profiled steps (from the trace). Random-weight model.
 
     PYTHONPATH=. python scripts/gpu_kernel_profile.py [--model qwen3-8b] [--context 16384] [--batch 16]
+        [--block-score mass] [--summary-tokens 4] [--select-per kv-head]
 """
 from __future__ import annotations
 
@@ -38,11 +39,17 @@ def main() -> None:
                    "block_size steps: each is seen eagerly, then captured, before the profile")
     p.add_argument("--stride", type=int, default=0, help="prompt i has context + i * stride tokens")
     p.add_argument("--trace-dir", default=None, help="also save each mode's trace there (MODE.json.gz)")
+    p.add_argument("--block-score", default=None, help="the selecting modes' --block-score (default: the engine's)")
+    p.add_argument("--miss-policy", default=None, help="oasis's --miss-policy (default: the engine's)")
+    p.add_argument("--summary-tokens", type=int, default=None, help="the selecting modes' --summary-tokens")
+    p.add_argument("--select-per", default="layer", help="the selecting modes' --select-per: layer or kv-head")
     args = p.parse_args()
     prompts = prompts_for(args.batch, args.context, stride=args.stride)
     for mode in args.modes.split(","):
         tokens = args.batch + args.warmup_steps + args.steps + 8  # none finishes before the profile ends
-        engine = engine_for(args, mode, not args.graphs, "bfloat16", args.context + args.batch * args.stride, tokens)
+        finer = {} if mode == "dense" else {"summary_tokens": args.summary_tokens, "select_per": args.select_per}
+        engine = engine_for(args, mode, not args.graphs, "bfloat16", args.context + args.batch * args.stride, tokens,
+                            **finer)
         for prompt in prompts:
             engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
         while any(len(r.output_token_ids) < 2 for r in engine.requests.values()):

@@ -56,6 +56,14 @@ class Rule:
     # weighted by its token count, beside the exact attention to the selected keys
     rest: bool = False
     dense_layer: int | None = None  # this layer attends densely (--ablate-layers: what each layer's selection costs)
+    layer_budgets: tuple[tuple[int, int], ...] = ()  # (layer, budget) pairs that replace `budget` there
+
+    def at_layer(self, layer: int | None) -> "Rule | None":
+        """The rule as this layer applies it: None where the layer is dense, else with the layer's budget."""
+        if layer is not None and layer == self.dense_layer:
+            return None
+        budget = dict(self.layer_budgets).get(layer, self.budget)
+        return self if budget == self.budget else dataclasses.replace(self, budget=budget)
 
     @property
     def label(self) -> str:
@@ -63,6 +71,9 @@ class Rule:
         combined = " per KV head" if self.per_kv_head else " max over KV heads" if self.combine == "max" else ""
         rest = " + rest" if self.rest else ""
         dense = f" + layer {self.dense_layer} dense" if self.dense_layer is not None else ""
+        if self.layer_budgets:
+            dense += " + " + ", ".join(f"layer {layer} at {b}" for layer, b in self.layer_budgets) + \
+                f", others at {self.budget}"
         return f"{self.score} block {self.block}{sub}{combined}{rest}{dense}"
 
 
@@ -164,16 +175,17 @@ def twin_attention(module, query, key, value, attention_mask, scaling=None, drop
     pos = torch.arange(s, device=query.device)
     causal = pos[None] <= pos[s - sq:, None]
     logits = logits.masked_fill(~causal, float("-inf"))
-    if active is not None and active.dense_layer != getattr(module, "layer_idx", None):
-        scores = head_scores(active, q, k, logits.softmax(-1), scaling)
+    rule = active and active.at_layer(getattr(module, "layer_idx", None))
+    if rule is not None:
+        scores = head_scores(rule, q, k, logits.softmax(-1), scaling)
         scores = scores.view(-1, group, sq, scores.shape[-1]).amax(1)  # best head of each KV group
-        if not active.per_kv_head:
-            scores = combine_kv_heads(active, scores)
-        keep = selected_keys(active, scores, s, s - sq)
-        if active.per_kv_head:
+        if not rule.per_kv_head:
+            scores = combine_kv_heads(rule, scores)
+        keep = selected_keys(rule, scores, s, s - sq)
+        if rule.per_kv_head:
             keep = keep.repeat_interleave(group, 0)
-        if active.rest:
-            return rest_estimated(active, logits, keep, q, k, v, scaling, group).to(query.dtype).transpose(0, 1)[
+        if rule.rest:
+            return rest_estimated(rule, logits, keep, q, k, v, scaling, group).to(query.dtype).transpose(0, 1)[
                 None].contiguous(), None
         logits = logits.masked_fill(~keep, float("-inf"))
     out = logits.softmax(-1) @ v.repeat_interleave(group, 0)
@@ -287,6 +299,43 @@ def combines(args) -> list[str]:
     return combine
 
 
+def with_layer_variants(rules: list[Rule], args, num_layers: int) -> list[Rule]:
+    """rules, then each again with one layer dense per layer (--ablate-layers), then each again with every
+    --layer-budgets split."""
+    base = list(rules)
+    if args.ablate_layers:
+        rules = rules + [dataclasses.replace(r, dense_layer=layer) for r in base for layer in range(num_layers)]
+    return rules + [dataclasses.replace(r, budget=others, layer_budgets=pairs) for r in base
+                    for pairs, others in parse_layer_budgets(args.layer_budgets, num_layers)]
+
+
+def add_layer_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rest", default="none", help="none (attend to the selection only) and/or mean (also the blocks "
+                   "left out, each estimated by its mean key and value), e.g. none,mean")
+    p.add_argument("--ablate-layers", action="store_true", help="also each rule with one layer dense, for every layer: "
+                   "how much each layer's selection costs")
+    p.add_argument("--layer-budgets", nargs="*", default=[], metavar="L=N[,L=N...]:OTHERS",
+                   help="also each rule with these layers at their own budgets and every other layer at OTHERS, e.g. "
+                   "7=8192:1824 (the same tokens in all as 2048 each over 30 layers, give or take a block)")
+
+
+def parse_layer_budgets(specs: list[str], num_layers: int) -> list[tuple[tuple[tuple[int, int], ...], int]]:
+    """--layer-budgets "7=8192,18=4096:1696" -> [(((7, 8192), (18, 4096)), 1696)]: those layers' budgets, then every
+    other layer's."""
+    out = []
+    for spec in specs:
+        try:
+            listed, rest = spec.split(":")
+            pairs = tuple((int(layer), int(budget)) for layer, budget in (p.split("=") for p in listed.split(",")))
+            rest = int(rest)
+        except ValueError:
+            raise SystemExit(f"error: --layer-budgets takes LAYER=BUDGET[,LAYER=BUDGET...]:OTHERS, not {spec!r}")
+        if not all(0 <= layer < num_layers for layer, _ in pairs):
+            raise SystemExit(f"error: --layer-budgets {spec!r} names a layer outside 0..{num_layers - 1}")
+        out.append((pairs, rest))
+    return out
+
+
 def rests(args) -> list[bool]:
     rest = args.rest.split(",")
     if not set(rest) <= {"none", "mean"}:
@@ -376,10 +425,7 @@ def main() -> None:
                    help="also one selection per KV head (default: yes)")
     p.add_argument("--combine", default="sum", help="per-layer selections: sum (the engine's) and/or max of the KV "
                    "heads' scores, e.g. sum,max")
-    p.add_argument("--rest", default="none", help="none (attend to the selection only) and/or mean (also the blocks "
-                   "left out, each estimated by its mean key and value), e.g. none,mean")
-    p.add_argument("--ablate-layers", action="store_true", help="also each rule with one layer dense, for every layer: "
-                   "how much each layer's selection costs")
+    add_layer_arguments(p)
     p.add_argument("--corpus", default="austen")
     p.add_argument("--tie-nats", type=float, default=math.log(2))
     p.add_argument("--json", default=None)
@@ -398,9 +444,7 @@ def main() -> None:
     path = args.model or embedded_default_path()
     rules = parse_rules(args)
     model = load_model(path, getattr(torch, args.dtype))
-    if args.ablate_layers:
-        rules += [dataclasses.replace(r, dense_layer=layer) for r in rules
-                  for layer in range(model.config.num_hidden_layers)]
+    rules = with_layer_variants(rules, args, model.config.num_hidden_layers)
     windows = windows_for(path, args)
     t0 = time.perf_counter()
     per_rule: list[list[torch.Tensor]] = [[] for _ in range(len(rules) + 1)]

@@ -124,6 +124,7 @@ def main() -> None:
     p.add_argument("--per-kv-head", action=argparse.BooleanOptionalAction, default=True,
                    help="also one selection per KV head (default: yes)")
     p.add_argument("--combine", default="sum", help="as scripts/selection_twin.py's")
+    twin.add_layer_arguments(p)
     p.add_argument("--corpus", default="austen")
     p.add_argument("--json", default=None)
     p.add_argument("--join", nargs="+", default=None, metavar="RUN.json",
@@ -138,6 +139,7 @@ def main() -> None:
     path = args.model or embedded_default_path()
     rules = twin.parse_rules(args)
     model = twin.load_model(path, getattr(torch, args.dtype))
+    rules = twin.with_layer_variants(rules, args, model.config.num_hidden_layers)
     samples, hay = samples_for(path, args)
     eos = set(hay.tokenizer.eos_token_ids) | {int(e) for e in config_eos(model.config)}
     t0 = time.perf_counter()

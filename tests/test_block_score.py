@@ -30,8 +30,8 @@ def selections(block_score: str) -> list:
     policy, seen = llm.engine.policy, []
     select_by = policy.select_by
 
-    def recording(scores):
-        counts, padded = select_by(scores)
+    def recording(scores, budget_blocks=None):
+        counts, padded = select_by(scores, budget_blocks)
         seen.append(padded.tolist())
         return counts, padded
 

@@ -43,8 +43,9 @@ def tiny(tmp_path_factory):
 
 
 def engine_rows(path: str, windows, mode: str, score: str, select_per: str,
-                summary_tokens: int | None = None) -> list[torch.Tensor]:
-    kv = KVConfig(mode=mode, budget=BUDGET, block_score=score, select_per=select_per, summary_tokens=summary_tokens)
+                summary_tokens: int | None = None, **kv_changes) -> list[torch.Tensor]:
+    kv = KVConfig(**{"mode": mode, "budget": BUDGET, "block_score": score, "select_per": select_per,
+                     "summary_tokens": summary_tokens, **kv_changes})
     config = EngineConfig(model=path, dtype="float32", device="cpu", show_progress=False,
                           cache=CacheConfig(num_kv_blocks=64), kv=kv, scheduler=SchedulerConfig(max_num_seqs=2))
     return [torch.stack(s.rows) for s in teacher_forced(LLM.from_config(config), windows, SCORED, keep_rows=True)]

@@ -270,3 +270,28 @@ def test_a_dense_layer_attends_to_every_key_and_the_other_layer_still_selects(ti
         torch.testing.assert_close(outputs["one dense"][0], outputs["dense"][0])
     assert not torch.allclose(outputs["sparse"][layer], outputs["one dense"][layer])
     assert not torch.allclose(outputs["one dense"][other], outputs["dense"][other])
+
+
+def test_a_layer_budget_over_the_context_is_that_layer_dense(tiny_llama):
+    """--layer-budgets: layer 1 at a budget above the window attends to every key, as --ablate-layers' dense layer
+    does, while layer 0 keeps the rule's budget; a small budget for layer 1 changes the rows."""
+    torch.manual_seed(7)
+    window = torch.randint(0, 97, (400,)).tolist()
+    rule = twin.Rule("bound", 16, False, 80)
+    variants = [dataclasses.replace(rule, dense_layer=1), dataclasses.replace(rule, layer_budgets=((1, 512),)),
+                dataclasses.replace(rule, layer_budgets=((1, 96),))]
+    sparse, one_dense, wide, narrow = twin.scored_rows(tiny_llama, window, 8, [rule, *variants])
+    assert torch.equal(one_dense, wide)
+    assert not torch.allclose(wide, sparse) and not torch.allclose(narrow, sparse)
+
+
+def test_layer_budgets_parse_and_label():
+    assert twin.parse_layer_budgets(["7=4096,18=4096:1632", "3=64:32"], 30) == [
+        (((7, 4096), (18, 4096)), 1632), (((3, 64),), 32)]
+    rule = twin.Rule("mass", 16, False, 1632, layer_budgets=((7, 4096),))
+    assert rule.label == "mass block 16 + layer 7 at 4096, others at 1632"
+    assert rule.at_layer(7).budget == 4096 and rule.at_layer(3) is rule
+    with pytest.raises(SystemExit, match="outside 0..29"):
+        twin.parse_layer_budgets(["30=4096:1632"], 30)
+    with pytest.raises(SystemExit, match="LAYER=BUDGET"):
+        twin.parse_layer_budgets(["7:4096"], 30)

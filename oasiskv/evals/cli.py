@@ -2,7 +2,7 @@
 
 Engine flags come from oasiskv.cli.add_engine_args; this module replaces the KV ones that become
 lists here (--kv-budget, --fetch-cap, --draft, --block-score, --miss-policy,
---select-per, --summary-tokens) and --kv-mode (use --modes)."""
+--select-per, --summary-tokens, --layer-weights) and --kv-mode (use --modes)."""
 from __future__ import annotations
 
 import argparse
@@ -25,7 +25,7 @@ def csv(kind):
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from oasiskv.cli import add_engine_args
+    from oasiskv.cli import add_engine_args, layer_weights
 
     add_engine_args(p)
     p.conflict_handler = "resolve"  # the list-valued flags below replace the engine's scalar ones
@@ -54,6 +54,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--summary-tokens", type=csv(int), default=None,
                    help="tokens per block summary of the scoring modes, a sweep: 16,4; a row other than whole "
                         "blocks names it (quest+sum4)")
+    g.add_argument("--layer-weights", type=layer_weights, nargs="+", default=None, metavar="L=W[,L=W...]|none",
+                   help="budget weights per layer of the selecting modes (as the engine's flag), a sweep of settings "
+                        "separated by spaces, none for one budget in every layer: none 7=2.5,18=2.5; a weighted row "
+                        "names its weights (quest+layers(7=2.5,18=2.5))")
     g.add_argument("--tasks", type=csv(str), default=list(ALL_TASKS), help=f"subset of {','.join(ALL_TASKS)}")
     g.add_argument("--corpus", default="austen", choices=CORPORA, help="haystack and perplexity text")
     g.add_argument("--cache-dir", default=None, help="where fetched texts live (default ~/.cache/oasiskv/evals)")
@@ -86,6 +90,7 @@ def base_config(args: argparse.Namespace):
     for name in ("fetch_cap", "draft", "block_score", "miss_policy", "select_per", "summary_tokens"):
         values = getattr(args, name)
         scalar[name] = values[0] if values else getattr(defaults, name, None)
+    scalar["layer_weights"] = ()  # the weighted rows carry their own; the base serves modes that take none
     return engine_config(argparse.Namespace(**scalar))
 
 
@@ -106,7 +111,7 @@ def main(args: argparse.Namespace) -> None:
         sizes = [None if n == block_size else n for n in args.summary_tokens or []]  # whole blocks: not named
         variants, skipped = split_runnable(expand_variants(args.modes, args.kv_budget, caps, args.draft,
                                                            args.block_score, args.miss_policy, args.select_per,
-                                                           sizes),
+                                                           sizes, args.layer_weights),
                                            block_size)
         documents = load_corpus(args.corpus, args.cache_dir)
         settings_used = {**{k: v for k, v in vars(args).items() if k != "func"},

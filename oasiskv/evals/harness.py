@@ -31,17 +31,20 @@ class Variant:
     miss_policy: str | None = None
     select_per: str | None = None
     summary_tokens: int | None = None
+    layer_weights: tuple[tuple[int, float], ...] | None = None
 
     @property
     def series(self) -> str:
         """The variant without its budget: a row of the table, a line of the plot (oasis@0.05, quest+mass,
-        oasis+mass+fill@0.05, quest+kv-head, quest+sum4). The default block score, miss policy and selection and
-        whole-block summaries are not named."""
+        oasis+mass+fill@0.05, quest+kv-head, quest+sum4, quest+layers(7=2.5,18=2.5)). The default block score, miss
+        policy and selection, whole-block summaries and one budget in every layer are not named."""
         text = self.mode
         for value, default in ((self.block_score, KVConfig.block_score), (self.miss_policy, KVConfig.miss_policy),
                                (self.select_per, KVConfig.select_per)):
             text += f"+{value}" if value not in (None, default) else ""
         text += f"+sum{self.summary_tokens}" if self.summary_tokens is not None else ""
+        if self.layer_weights:
+            text += "+layers(" + ",".join(f"{layer}={w:g}" for layer, w in self.layer_weights) + ")"
         text += f"@{self.fetch_cap:g}" if self.fetch_cap is not None else ""
         return text + (f" {self.draft}" if self.draft else "")
 
@@ -55,10 +58,11 @@ DENSE = Variant("dense")
 
 def expand_variants(modes: list[str], budgets: list[int], caps: list[float] | None, drafts: list[str] | None,
                     block_scores: list[str] | None = None, miss_policies: list[str] | None = None,
-                    select_per: list[str] | None = None, summary_tokens: list[int] | None = None) -> list[Variant]:
+                    select_per: list[str] | None = None, summary_tokens: list[int] | None = None,
+                    layer_weights: list[tuple] | None = None) -> list[Variant]:
     """Every non-dense mode at every budget; lookahead modes also at every cap, draft source and miss policy,
-    the modes that score blocks at every block score and summary size, and those that select at every
-    --select-per."""
+    the modes that score blocks at every block score and summary size, those that select at every
+    --select-per and --layer-weights."""
     out = []
     for mode in dict.fromkeys(modes):
         if mode == "dense":
@@ -66,8 +70,9 @@ def expand_variants(modes: list[str], budgets: list[int], caps: list[float] | No
         scores = list(dict.fromkeys(block_scores or [None])) if mode in SCORING_MODES else [None]
         sizes = list(dict.fromkeys(summary_tokens or [None])) if mode in SCORING_MODES else [None]
         scopes = list(dict.fromkeys(select_per or [None])) if mode in SELECTING_MODES else [None]
-        for scope, size, score, budget in itertools.product(scopes, sizes, scores, budgets):
-            shared = dict(block_score=score, select_per=scope, summary_tokens=size)
+        weightings = list(dict.fromkeys(layer_weights or [None])) if mode in SELECTING_MODES else [None]
+        for scope, size, score, weights, budget in itertools.product(scopes, sizes, scores, weightings, budgets):
+            shared = dict(block_score=score, select_per=scope, summary_tokens=size, layer_weights=weights or None)
             if mode in LOOKAHEAD_MODES:
                 out += [Variant(mode, budget, c, d, miss_policy=m, **shared)
                         for m in dict.fromkeys(miss_policies or [None])
@@ -87,7 +92,8 @@ def split_runnable(variants: list[Variant], block_size: int) -> tuple[list[Varia
 
 def variant_config(base: EngineConfig, v: Variant) -> EngineConfig:
     changes = {}
-    for name in ("budget", "fetch_cap", "draft", "block_score", "miss_policy", "select_per", "summary_tokens"):
+    for name in ("budget", "fetch_cap", "draft", "block_score", "miss_policy", "select_per", "summary_tokens",
+                 "layer_weights"):
         if getattr(v, name) is not None:
             changes[name] = getattr(v, name)
     missing = [n for n in changes if n not in {f.name for f in dataclasses.fields(KVConfig)}]

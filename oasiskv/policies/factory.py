@@ -68,7 +68,8 @@ def build_retrieval(model_cfg, cache, kv, gpu_kv_blocks, max_model_len, max_num_
     ids handed out (a decode instance keeps only part of each request's KV: disagg/local.py)."""
     bs, per_block = cache.block_size, bytes_per_block(model_cfg, cache.block_size, dtype)
     host_blocks = host_block_count(cache, kv, per_block, device)
-    width = kv.working_set_tokens // bs + (kv.mode == "oasis")  # oasis: room for the block a draft token opens
+    # oasis: room for the block a draft token opens
+    width = kv.working_set_blocks(model_cfg.num_layers, bs) + (kv.mode == "oasis")
     parts = kv.summary_parts(bs)
     summary_blocks = -(-host_blocks * parts // bs)  # summaries cost parts / block_size of the KV they describe
     rows = min(max_num_seqs, (gpu_kv_blocks - summary_blocks) // width)

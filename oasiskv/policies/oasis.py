@@ -351,7 +351,7 @@ class OasisPolicy(TieredPolicy):
         else:
             with self.timer("select"):
                 scores, draft_scores = self.score_now_and_draft(layer, q)
-                _, selection = self.select_by(scores)
+                _, selection = self.select_by(scores, self.layer_budget_blocks[layer])
             judged = self.fresh
         check = resident_selection if self.cuda else resident_selection_reference  # + selected/hit/miss/agreement
         opened = self.rows_now.opened
@@ -453,11 +453,7 @@ class OasisPolicy(TieredPolicy):
         layer_of = self.layer_ids[layers[0]: layers[-1] + 1, None].expand(g, b).reshape(-1)
         rows = inputs.rows.repeat(g)
         host_tables = inputs.host_tables.repeat(g, 1)
-        scores = torch.cat(draft_scores)
-        plan = predict_prefetch if self.cuda else predict_prefetch_reference  # one kernel on the GPU
-        _, predicted, fetch = plan(scores, inputs.nblocks.repeat(g), self.budget_blocks, self.cfg.sink_blocks,
-                                   self.cfg.local_blocks, self.fetch_cap_blocks, self.ws.max_blocks + 1,
-                                   slot_of=self.ws.slot_of, layer_of=layer_of, rows=rows)
+        predicted, fetch = self.plan_prefetch(layers, torch.cat(draft_scores), inputs.nblocks, layer_of, rows)
         self.predicted[layer_of, rows] = predicted  # also what placement must keep
         fetched, _, copies = self.place(layer_of, fetch, predicted, lane=lane, rows=rows,
                                         host_tables=host_tables, step=inputs.step)
@@ -466,6 +462,28 @@ class OasisPolicy(TieredPolicy):
         self.flush_counts(layer_of, lane=lane, rows=rows)
         most = self.most_prefetched[lane]
         torch.maximum(most, fetched.sum(1).max(), out=most)
+
+    def plan_prefetch(self, layers: list[int], scores: torch.Tensor, nblocks: torch.Tensor, layer_of: torch.Tensor,
+                      rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(predicted, fetch) of predict_prefetch for the group's rows: one launch per run of layers with the
+        same budget (one run unless --layer-weights gives the group's layers different budgets)."""
+        plan = predict_prefetch if self.cuda else predict_prefetch_reference  # one kernel on the GPU
+        parts, b, start = [], len(nblocks), 0
+        while start < len(layers):
+            budget = self.layer_budget_blocks[layers[start]]
+            end = start + 1
+            while end < len(layers) and self.layer_budget_blocks[layers[end]] == budget:
+                end += 1
+            rows_of_run = slice(start * b, end * b)
+            _, predicted, fetch = plan(scores[rows_of_run], nblocks.repeat(end - start), budget, self.cfg.sink_blocks,
+                                       self.cfg.local_blocks, self.fetch_cap_blocks, self.ws.max_blocks + 1,
+                                       slot_of=self.ws.slot_of, layer_of=layer_of[rows_of_run], rows=rows[rows_of_run])
+            parts.append((predicted, fetch))
+            start = end
+        if len(parts) == 1:
+            return parts[0]
+        width = max(f.shape[1] for _, f in parts)  # the masks all span the working set's blocks
+        return torch.cat([p for p, _ in parts]), torch.cat([pad_columns(f, width) for _, f in parts])
 
     # -- statistics -----------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -491,6 +509,11 @@ class OasisPolicy(TieredPolicy):
         out["kv_time_prefetch_hidden_s"] = round(out.get("kv_time_prefetch_s", 0.0)
                                                  - out.get("kv_time_prefetch_exposed_s", 0.0), 6)
         return out
+
+
+def pad_columns(blocks: torch.Tensor, width: int) -> torch.Tensor:
+    """int [N, K] -> [N, width], -1 (none) in the new columns."""
+    return torch.nn.functional.pad(blocks, (0, width - blocks.shape[1]), value=-1)
 
 
 def ratio(a: int, b: int) -> float | None:

@@ -26,8 +26,10 @@ def lane_config(cfg: ModelConfig) -> ModelConfig:
 
 
 def lane_kv_config(kv: KVConfig, kv_heads: int) -> KVConfig:
-    """The first --dense-layers layers are their first dense_layers x kv_heads lanes."""
-    return dataclasses.replace(kv, dense_layers=kv.dense_layers * kv_heads)
+    """The first --dense-layers layers are their first dense_layers x kv_heads lanes; a layer's --layer-weights
+    weight is each of its lanes' (so each lane gets its layer's budget)."""
+    weights = tuple((layer * kv_heads + head, w) for layer, w in kv.layer_weights for head in range(kv_heads))
+    return dataclasses.replace(kv, dense_layers=kv.dense_layers * kv_heads, layer_weights=weights)
 
 
 class PerKVHead:

@@ -72,6 +72,10 @@ class SparsePolicy(KVPolicy):
                  device: torch.device, timing: bool = True):
         self.cfg, self.summaries, self.block_size, self.scale = kv_cfg, summaries, block_size, scale
         self.budget_blocks = kv_cfg.budget // block_size
+        layers = summaries.data.shape[0]
+        # --layer-weights: each layer's own budget (quest, oracle); the tiered policies keep budget_blocks everywhere
+        self.layer_budget_blocks = [kv_cfg.layer_budget(layer, layers, block_size) // block_size
+                                    for layer in range(layers)]
         self.cuda = device.type == "cuda"
         self.timer = PhaseTimer(timing and (not self.cuda or kv_cfg.mode == "retrieval"), self.cuda)
         self.counts: dict[str, int] = defaultdict(int)
@@ -104,11 +108,14 @@ class SparsePolicy(KVPolicy):
             every_block=torch.where(everything[None, :] < nblocks[:, None], everything[None, :], -1))
 
     def graph_key(self):
-        """Steps where every layer attends sparsely are captured; the dense layers' attention length
-        hint is part of the key when there are any."""
-        if self.timer.enabled or self.num_decode_blocks <= self.budget_blocks:
+        """Steps where some layer attends sparsely are captured. Which layers' budgets cover the step is part of
+        the key (--layer-weights: a layer whose budget covers the context attends densely), and so is the dense
+        layers' attention length hint when there are any."""
+        covered = tuple(self.num_decode_blocks <= b for b in self.layer_budget_blocks)
+        if self.timer.enabled or all(covered):
             return None
-        return ("sparse", length_bucket(self.meta.decode_max_seq_len) if self.cfg.dense_layers else 0)
+        dense = self.cfg.dense_layers or any(covered)
+        return ("sparse", length_bucket(self.meta.decode_max_seq_len) if dense else 0, covered)
 
     def request_stats(self, request_id: str) -> dict:
         return dict(self.per_request.pop(request_id, {}))
@@ -123,13 +130,16 @@ class SparsePolicy(KVPolicy):
     # -- shared pieces ---------------------------------------------------------------------------
     def select(self, layer: int, q: torch.Tensor, score_tables: torch.Tensor):
         """Selection of each decode query: (counts [B], padded logical ids int32 [B, K], -1 = none)."""
-        return self.select_by(self.score_blocks(layer, q, score_tables, self.rows_now.nblocks))
+        scores = self.score_blocks(layer, q, score_tables, self.rows_now.nblocks)
+        return self.select_by(scores, self.layer_budget_blocks[layer])
 
-    def select_by(self, scores: torch.Tensor):
-        """`select` from the decode queries' block scores, fp32 [B, blocks] (all ranks' heads)."""
+    def select_by(self, scores: torch.Tensor, budget_blocks: int | None = None):
+        """`select` from the decode queries' block scores, fp32 [B, blocks] (all ranks' heads); budget_blocks:
+        the layer's (default: --kv-budget's)."""
         nblocks = self.rows_now.nblocks
         select = select_blocks_fused if self.cuda else select_blocks_padded
-        counts, padded = select(scores, nblocks, self.budget_blocks, self.cfg.sink_blocks, self.cfg.local_blocks)
+        budget = self.budget_blocks if budget_blocks is None else budget_blocks
+        counts, padded = select(scores, nblocks, budget, self.cfg.sink_blocks, self.cfg.local_blocks)
         if self.counts_selections:
             self.selected_on_device += counts.sum()  # summed on the device: no sync per layer
         return counts, padded
@@ -160,7 +170,7 @@ class SparsePolicy(KVPolicy):
         return scores if self.combine_scores is None else self.combine_scores(scores)
 
     def is_dense_layer(self, layer: int) -> bool:
-        return layer < self.cfg.dense_layers or self.num_decode_blocks <= self.budget_blocks
+        return layer < self.cfg.dense_layers or self.num_decode_blocks <= self.layer_budget_blocks[layer]
 
     def attention(self, q, kv_layer, tables, selection):
         """Decode attention over `selection` (padded logical ids, -1 = none), or every block if None."""
