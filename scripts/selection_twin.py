@@ -309,6 +309,18 @@ def with_layer_variants(rules: list[Rule], args, num_layers: int) -> list[Rule]:
                     for pairs, others in parse_layer_budgets(args.layer_budgets, num_layers)]
 
 
+def suggested_weights(cuts: dict[int, float], kl: float, share: float = 0.10, weight: float = 2.5) -> str:
+    """From --ablate-layers: the layers whose dense attention cuts at least `share` of the rule's KL, largest cut
+    first, as an engine --layer-weights value giving each `weight` (SmolLM2's five such layers at 2.5 get twice
+    the budget; docs/ACCURACY.md, "Budgets per layer")."""
+    heavy = sorted((layer for layer, cut in cuts.items() if kl > 0 and cut >= share * kl), key=lambda l: -cuts[l])
+    if not heavy:
+        return f"no layer cuts {share:.0%} of the KL alone: one budget in every layer"
+    shares = ", ".join(f"{layer} ({cuts[layer] / kl:.0%})" for layer in heavy)
+    return f"layers cutting >= {share:.0%} of the KL: {shares}; --layer-weights " + \
+        ",".join(f"{layer}={weight:g}" for layer in sorted(heavy))
+
+
 def add_layer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rest", default="none", help="none (attend to the selection only) and/or mean (also the blocks "
                    "left out, each estimated by its mean key and value), e.g. none,mean")
@@ -460,6 +472,11 @@ def main() -> None:
     for r in results:
         print(f"{r['variant']:34} {r['top1_agree']:>11} {r['kl']:>8} {str(r['agree_at_near_ties']):>14} "
               f"{str(r['agree_at_clear']):>11} {r['flips']:>5}")
+    for rule, kl in zip(rules, (r["kl"] for r in results)):
+        if args.ablate_layers and rule.dense_layer is None and not rule.layer_budgets:
+            cuts = {r.dense_layer: kl - x["kl"] for r, x in zip(rules, results)
+                    if r.dense_layer is not None and dataclasses.replace(r, dense_layer=None) == rule}
+            print(f"{rule.label}: {suggested_weights(cuts, kl)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1)

@@ -295,3 +295,11 @@ def test_layer_budgets_parse_and_label():
         twin.parse_layer_budgets(["30=4096:1632"], 30)
     with pytest.raises(SystemExit, match="LAYER=BUDGET"):
         twin.parse_layer_budgets(["7:4096"], 30)
+
+
+def test_the_ablation_suggests_weights_for_the_layers_that_cut_the_kl_most():
+    cuts = {0: 0.0001, 7: 0.0018, 18: 0.0009, 20: 0.00052, 3: 0.00017}
+    text = twin.suggested_weights(cuts, kl=0.005)
+    assert text.endswith("--layer-weights 7=2.5,18=2.5,20=2.5")  # 36%, 18%, 10%; layer 3's 3.4% and layer 0 left out
+    assert "7 (36%), 18 (18%), 20 (10%)" in text
+    assert "one budget in every layer" in twin.suggested_weights({1: 0.0001}, kl=0.005)
