@@ -81,8 +81,9 @@ def test_the_flag_parses_and_a_sweep_names_its_rows():
                                        "oasis@0.05 budget=2048", "oasis+layers(7=2.5)@0.05 budget=2048"]
 
 
-def test_the_graph_key_names_the_layers_whose_budget_covers_the_step():
-    """A layer whose budget covers the context attends densely, so which layers do is part of a captured step."""
+def test_steps_where_a_layers_budget_covers_the_context_are_not_captured():
+    """A layer whose budget covers the context attends densely: until the context outgrows the largest budget the
+    step runs eagerly, then it is captured under the key of one budget."""
     cfg = SimpleNamespace(num_layers=2, num_kv_heads=1, head_dim=8)
     kv = KVConfig(mode="quest", budget=BUDGET, layer_weights=WEIGHTS)  # 6 and 9 blocks
     summaries = BlockSummaries(cfg, 32, torch.float32, torch.device("cpu"))
@@ -90,14 +91,12 @@ def test_the_graph_key_names_the_layers_whose_budget_covers_the_step():
                          torch.device("cpu"), timing=False)
     policy.meta = SimpleNamespace(decode_max_seq_len=0)
     keys = {}
-    for blocks in (5, 6, 7, 9, 10, 12):
-        policy.num_decode_blocks = blocks
-        policy.meta.decode_max_seq_len = blocks * 16
+    for blocks in (5, 7, 9, 10, 12):
+        policy.num_decode_blocks, policy.meta.decode_max_seq_len = blocks, blocks * 16
         keys[blocks] = policy.graph_key()
-    assert keys[5] is None and keys[6] is None  # every layer dense: not captured
-    assert keys[7][2] == keys[9][2] == (False, True)  # layer 1's 9 blocks cover the step: it is dense
-    assert keys[7][1] != 0  # and its attention length hint is in the key
-    assert keys[10] == keys[12] == ("sparse", 0, (False, False))
+        assert [policy.is_dense_layer(layer) for layer in (0, 1)] == [blocks <= 6, blocks <= 9]
+    assert keys[5] is keys[7] is keys[9] is None
+    assert keys[10] == keys[12] == ("sparse", 0)
 
 
 # SmolLM2, SPARSE's 64 tokens a layer: 1920 over 30 layers at a weight of 32, so layers 7 and 18 get 112 and the

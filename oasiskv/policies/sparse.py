@@ -108,14 +108,13 @@ class SparsePolicy(KVPolicy):
             every_block=torch.where(everything[None, :] < nblocks[:, None], everything[None, :], -1))
 
     def graph_key(self):
-        """Steps where some layer attends sparsely are captured. Which layers' budgets cover the step is part of
-        the key (--layer-weights: a layer whose budget covers the context attends densely), and so is the dense
-        layers' attention length hint when there are any."""
-        covered = tuple(self.num_decode_blocks <= b for b in self.layer_budget_blocks)
-        if self.timer.enabled or all(covered):
+        """Steps where every layer's budget is below the context are captured; the dense layers' attention length
+        hint is part of the key when there are any. Where some layer's budget covers the context (--layer-weights
+        can give one more than the others), that layer attends densely and the step runs eagerly: such a mix is not
+        captured (not tried on the GPU; it passes once the context outgrows the largest budget)."""
+        if self.timer.enabled or self.num_decode_blocks <= max(self.layer_budget_blocks):
             return None
-        dense = self.cfg.dense_layers or any(covered)
-        return ("sparse", length_bucket(self.meta.decode_max_seq_len) if dense else 0, covered)
+        return ("sparse", length_bucket(self.meta.decode_max_seq_len) if self.cfg.dense_layers else 0)
 
     def request_stats(self, request_id: str) -> dict:
         return dict(self.per_request.pop(request_id, {}))
