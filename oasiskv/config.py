@@ -176,26 +176,32 @@ class KVConfig:
             raise ValueError(f"--layer-weights names each layer once, each in [0, {num_layers - 1}]; got {layers}")
         if not all(w > 0 for _, w in self.layer_weights):
             raise ValueError("--layer-weights must be positive")
-        weights = {w for _, w in self.layer_weights} | ({1.0} if len(layers) < num_layers else set())
-        least = self.layer_budget(next(iter(layers)), num_layers, block_size, weight=min(weights))
+        least = self.weighted_budget(min(self.weights_in_use(num_layers)), num_layers, block_size)
         if least < (self.sink_blocks + self.local_blocks) * block_size:
             raise ValueError(f"--layer-weights leaves a layer {least} tokens, less than its sink and local blocks: "
                              "raise --kv-budget or bring the weights closer to 1")
 
-    def layer_budget(self, layer: int, num_layers: int, block_size: int, weight: float | None = None) -> int:
-        """Tokens per request of this layer: --kv-budget, or with --layer-weights its share by weight of
-        --kv-budget x num_layers, rounded down to whole blocks (so the layers' sum stays within it)."""
+    def layer_budget(self, layer: int, num_layers: int, block_size: int) -> int:
+        """Tokens per request of this layer: --kv-budget, or its share under --layer-weights."""
         if not self.layer_weights:
             return self.budget
+        return self.weighted_budget(dict(self.layer_weights).get(layer, 1.0), num_layers, block_size)
+
+    def weighted_budget(self, weight: float, num_layers: int, block_size: int) -> int:
+        """A layer of this weight's share of --kv-budget x num_layers, rounded down to whole blocks (so the
+        layers' sum stays within it)."""
         named = dict(self.layer_weights)
         total_weight = num_layers - len(named) + sum(named.values())
-        weight = named.get(layer, 1.0) if weight is None else weight
         return int(self.budget * num_layers * weight / total_weight + 1e-6) // block_size * block_size
+
+    def weights_in_use(self, num_layers: int) -> set[float]:
+        """The named weights, and 1 if some layer is not named."""
+        return {w for _, w in self.layer_weights} | ({1.0} if len(self.layer_weights) < num_layers else set())
 
     def working_set_blocks(self, num_layers: int, block_size: int) -> int:
         """Blocks per request and layer on the GPU (retrieval, oasis): --working-set, or the largest layer budget
         where that is more (a working set holds its layer's whole selection)."""
-        most = max(self.layer_budget(layer, num_layers, block_size) for layer, _ in self.layer_weights) \
+        most = self.weighted_budget(max(self.weights_in_use(num_layers)), num_layers, block_size) \
             if self.layer_weights else self.budget
         return max(self.working_set_tokens, most) // block_size
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What the finer selection (--summary-tokens 4, --select-per kv-head) costs a decode step, and where, on one H200
 # (qwen3-8b --load-format dummy, 16K input, 43 requests: oasis's concurrency at --host-kv-gb 100). One device call,
-# about 8 minutes; written after the twenty-fourth session's runs, which left these open:
+# meant to fit in 10 minutes (not yet run); written after the twenty-fourth session's runs, which left these open:
 #   1. the mass score's kernels alone, with whole-block and 4-token summaries (the normaliser now folded once per
 #      sequence by its own kernel)
 #   2. a kernel profile of oasis's replayed steps with mass scores and 4-token summaries: which kernels the step's

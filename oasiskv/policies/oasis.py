@@ -20,11 +20,12 @@ The working-set row holds budget + 1 blocks: a full selection plus the block a d
 On the CPU the same steps run synchronously."""
 from __future__ import annotations
 
-from collections import defaultdict
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from oasiskv.kernels.block_topk import predict_prefetch, predict_prefetch_reference
 from oasiskv.kernels.draft_kv import DraftWrite, write_draft_kv, write_draft_kv_reference
@@ -34,6 +35,7 @@ from oasiskv.kernels.residency import resident_selection, resident_selection_ref
 from oasiskv.kernels.paged_decode import paged_decode_attention, paged_decode_reference
 from oasiskv.kernels.sparse_decode import sparse_decode_attention_padded, sparse_decode_padded_reference
 from oasiskv.policies.tail_graph import PredictInputs, Tail, TailBuffers
+from oasiskv.policies.timers import EventClock
 from oasiskv.policies.tiered import TieredPolicy, TieredRows
 
 
@@ -46,34 +48,6 @@ class DraftRows(TieredRows):
     opens: torch.Tensor          # bool [B]: the draft starts a new block
     opened: torch.Tensor         # int32 [B]: that block, or -1
     draft_offset: torch.Tensor   # long [B]: the draft's offset in its block
-
-
-class EventClock:
-    """GPU-side durations from pairs of CUDA events, summed once both have completed (no sync)."""
-
-    def __init__(self):
-        self.pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
-        self.totals: dict[str, float] = defaultdict(float)
-
-    @staticmethod
-    def mark(stream) -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(stream)
-        return event
-
-    def close(self, name: str, start: torch.cuda.Event, stream) -> torch.cuda.Event:
-        end = self.mark(stream)
-        self.pending.append((name, start, end))
-        return end
-
-    def collect(self) -> None:
-        waiting = []
-        for name, start, end in self.pending:
-            if end.query():
-                self.totals[name] += start.elapsed_time(end) / 1000
-            else:
-                waiting.append((name, start, end))
-        self.pending = waiting
 
 
 class OasisPolicy(TieredPolicy):
@@ -468,22 +442,20 @@ class OasisPolicy(TieredPolicy):
         """(predicted, fetch) of predict_prefetch for the group's rows: one launch per run of layers with the
         same budget (one run unless --layer-weights gives the group's layers different budgets)."""
         plan = predict_prefetch if self.cuda else predict_prefetch_reference  # one kernel on the GPU
-        parts, b, start = [], len(nblocks), 0
-        while start < len(layers):
-            budget = self.layer_budget_blocks[layers[start]]
-            end = start + 1
-            while end < len(layers) and self.layer_budget_blocks[layers[end]] == budget:
-                end += 1
-            rows_of_run = slice(start * b, end * b)
-            _, predicted, fetch = plan(scores[rows_of_run], nblocks.repeat(end - start), budget, self.cfg.sink_blocks,
-                                       self.cfg.local_blocks, self.fetch_cap_blocks, self.ws.max_blocks + 1,
-                                       slot_of=self.ws.slot_of, layer_of=layer_of[rows_of_run], rows=rows[rows_of_run])
-            parts.append((predicted, fetch))
-            start = end
-        if len(parts) == 1:
-            return parts[0]
-        width = max(f.shape[1] for _, f in parts)  # the masks all span the working set's blocks
-        return torch.cat([p for p, _ in parts]), torch.cat([pad_columns(f, width) for _, f in parts])
+        b, start, predicted, fetch = len(nblocks), 0, [], []
+        for budget, run in itertools.groupby(layers, key=self.layer_budget_blocks.__getitem__):
+            n = len(list(run))
+            part = slice(start * b, (start + n) * b)
+            _, p, f = plan(scores[part], nblocks.repeat(n), budget, self.cfg.sink_blocks, self.cfg.local_blocks,
+                           self.fetch_cap_blocks, self.ws.max_blocks + 1, slot_of=self.ws.slot_of,
+                           layer_of=layer_of[part], rows=rows[part])
+            predicted.append(p)
+            fetch.append(f)
+            start += n
+        if len(fetch) == 1:
+            return predicted[0], fetch[0]
+        width = max(f.shape[1] for f in fetch)  # lists of -1-padded block ids; the masks all span the working set
+        return torch.cat(predicted), torch.cat([F.pad(f, (0, width - f.shape[1]), value=-1) for f in fetch])
 
     # -- statistics -----------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -509,11 +481,6 @@ class OasisPolicy(TieredPolicy):
         out["kv_time_prefetch_hidden_s"] = round(out.get("kv_time_prefetch_s", 0.0)
                                                  - out.get("kv_time_prefetch_exposed_s", 0.0), 6)
         return out
-
-
-def pad_columns(blocks: torch.Tensor, width: int) -> torch.Tensor:
-    """int [N, K] -> [N, width], -1 (none) in the new columns."""
-    return torch.nn.functional.pad(blocks, (0, width - blocks.shape[1]), value=-1)
 
 
 def ratio(a: int, b: int) -> float | None:

@@ -7,7 +7,6 @@ where the full KV lives:
 Prefill is dense (and writes the summaries)."""
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -24,34 +23,7 @@ from oasiskv.kv.gpu_pool import KVPool
 from oasiskv.kv.summaries import BlockSummaries
 from oasiskv.policies.base import KVPolicy, length_bucket
 from oasiskv.policies.dense import prefill_attention, write_kv
-
-
-class PhaseTimer:
-    """Seconds per phase; on the GPU it synchronises around phases only when enabled."""
-
-    def __init__(self, enabled: bool, cuda: bool):
-        self.enabled, self.cuda = enabled, cuda
-        self.totals: dict[str, float] = defaultdict(float)
-
-    def __call__(self, phase: str):
-        return _Phase(self, phase)
-
-
-class _Phase:
-    def __init__(self, timer: PhaseTimer, phase: str):
-        self.timer, self.phase = timer, phase
-
-    def __enter__(self):
-        if self.timer.enabled:
-            if self.timer.cuda:
-                torch.cuda.synchronize()
-            self.t0 = time.perf_counter()
-
-    def __exit__(self, *exc):
-        if self.timer.enabled:
-            if self.timer.cuda:
-                torch.cuda.synchronize()
-            self.timer.totals[self.phase] += time.perf_counter() - self.t0
+from oasiskv.policies.timers import PhaseTimer
 
 
 @dataclass
@@ -73,7 +45,7 @@ class SparsePolicy(KVPolicy):
         self.cfg, self.summaries, self.block_size, self.scale = kv_cfg, summaries, block_size, scale
         self.budget_blocks = kv_cfg.budget // block_size
         layers = summaries.data.shape[0]
-        # --layer-weights: each layer's own budget (quest, oracle); the tiered policies keep budget_blocks everywhere
+        # each layer's budget: budget_blocks, or its share under --layer-weights
         self.layer_budget_blocks = [kv_cfg.layer_budget(layer, layers, block_size) // block_size
                                     for layer in range(layers)]
         self.cuda = device.type == "cuda"
