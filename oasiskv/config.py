@@ -198,12 +198,16 @@ class KVConfig:
         """The named weights, and 1 if some layer is not named."""
         return {w for _, w in self.layer_weights} | ({1.0} if len(self.layer_weights) < num_layers else set())
 
+    def largest_budget(self, num_layers: int, block_size: int) -> int:
+        """Tokens of the layer with the most budget: below it some layer attends densely."""
+        if not self.layer_weights:
+            return self.budget
+        return self.weighted_budget(max(self.weights_in_use(num_layers)), num_layers, block_size)
+
     def working_set_blocks(self, num_layers: int, block_size: int) -> int:
         """Blocks per request and layer on the GPU (retrieval, oasis): --working-set, or the largest layer budget
         where that is more (a working set holds its layer's whole selection)."""
-        most = self.weighted_budget(max(self.weights_in_use(num_layers)), num_layers, block_size) \
-            if self.layer_weights else self.budget
-        return max(self.working_set_tokens, most) // block_size
+        return max(self.working_set_tokens, self.largest_budget(num_layers, block_size)) // block_size
 
     def for_mode(self, mode: str, **changes) -> "KVConfig":
         """This configuration for another mode (bench and eval run several from one set of flags):

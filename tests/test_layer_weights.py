@@ -131,3 +131,29 @@ def test_weighted_budgets_above_the_context_are_dense(mode):
     roomy = dict(kv_budget=2048, kv_cache_gb=0.4, host_kv_gb=0.5, layer_weights=SMOLLM2_WEIGHTS)  # 1904 and 3824
     dense = run(LLM(show_progress=False, kv_mode="dense", kv_cache_gb=0.2), LONG)
     assert run(LLM(show_progress=False, kv_mode=mode, **roomy), LONG) == dense
+
+
+@pytest.mark.parametrize("miss_policy", ["skip", "fill"])
+def test_a_dense_layer_inside_a_prediction_group_with_a_perfect_draft_gives_quest_tokens(miss_policy):
+    """70 tokens growing to 94: 5 to 6 blocks, over the others' 3 but within layers 7 and 18's 7, which attend
+    densely; the prediction groups around them (layers 6-11 and 18-23) lose a layer from their middle."""
+    prompt = LONG[:1]
+    quest = run(LLM(show_progress=False, kv_mode="quest", layer_weights=SMOLLM2_WEIGHTS, **SPARSE), prompt)
+    llm = LLM(show_progress=False, kv_mode="oasis", fetch_cap=1.0, layer_weights=SMOLLM2_WEIGHTS,
+              miss_policy=miss_policy, **SPARSE)
+    oasis, stats = run_with_perfect_draft(llm, prompt, quest)
+    assert oasis == quest
+    assert stats["kv_prefetched_blocks"] > 0
+
+
+def test_the_benchmarks_warm_up_reaches_a_context_where_every_layer_selects():
+    """Steps where a layer's budget covers the context run eagerly: a warm-up too short for the largest budget
+    leaves the run's CUDA graphs to be captured inside its timed window."""
+    from oasiskv.bench.workload import warm_up
+
+    weights = ((7, 8.0),)  # 1920 tokens over 30 layers at a weight of 37: layer 7 gets 400, the others 48
+    llm = LLM(show_progress=False, kv_mode="quest", layer_weights=weights, **SPARSE)
+    policy = llm.engine.policy
+    assert llm.engine.config.kv.largest_budget(30, 16) == 400 == 16 * max(policy.layer_budget_blocks)
+    warm_up(llm.engine, input_len=4096, steps=2, seed=0)
+    assert not any(policy.is_dense_layer(layer) for layer in range(30))

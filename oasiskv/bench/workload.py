@@ -78,11 +78,13 @@ def warm_up(engine, input_len: int, steps: int, seed: int, batch: int = 1) -> No
     """`batch` requests through prefill and decode steps together, untimed: the kernels compile here for
     the batch the run will decode (Triton specialises on its integer arguments). At least two blocks'
     worth of steps, so that steps in which drafts open blocks run too. The prompts are shorter than
-    the run's, just long enough for sparse modes to select (twice the budget)."""
+    the run's, just long enough for sparse modes to select in every layer (twice the largest layer budget):
+    steps where some layer attends densely run eagerly and would leave the run's graphs uncaptured."""
     if steps < 1:
         return
     steps = max(steps, 2 * engine.block_size)
-    length = min(input_len, 2 * engine.config.kv.budget + engine.block_size + 1)
+    budget = engine.config.kv.largest_budget(engine.model_config.num_layers, engine.block_size)
+    length = min(input_len, 2 * budget + engine.block_size + 1)
     prompts = random_prompts(batch, length, engine.model_config.vocab_size, seed + 10_000)
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]

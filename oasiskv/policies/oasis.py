@@ -418,13 +418,13 @@ class OasisPolicy(TieredPolicy):
                              self.step_tensor if capturing else self.copy_step)
 
     def predict(self, layers: list[int], draft_scores: list[torch.Tensor], inputs: PredictInputs, lane: int) -> None:
-        """On the current stream, for consecutive `layers` at once (rows = (layer, request) pairs):
+        """On the current stream, for a group's sparse `layers` at once (rows = (layer, request) pairs):
         prediction, placement, copies, and their counters (in `lane`, the stream's). `draft_scores`: per layer
         the drafts' block scores, fp32 [B, W + 1], all ranks' heads (score_now_and_draft)."""
         g, b = len(layers), len(inputs.nblocks)
         # fresh contiguous lists: with one request, reshape(-1) of an expanded row list is a stride-0 view,
         # which kernels indexing rows[i] read past
-        layer_of = self.layer_ids[layers[0]: layers[-1] + 1, None].expand(g, b).reshape(-1)
+        layer_of = self.layer_id_column(layers).expand(g, b).reshape(-1)
         rows = inputs.rows.repeat(g)
         host_tables = inputs.host_tables.repeat(g, 1)
         predicted, fetch = self.plan_prefetch(layers, torch.cat(draft_scores), inputs.nblocks, layer_of, rows)
@@ -436,6 +436,13 @@ class OasisPolicy(TieredPolicy):
         self.flush_counts(layer_of, lane=lane, rows=rows)
         most = self.most_prefetched[lane]
         torch.maximum(most, fetched.sum(1).max(), out=most)
+
+    def layer_id_column(self, layers: list[int]) -> torch.Tensor:
+        """The ids of `layers` on the device, [g, 1], without copying a list to it (a graph holds no such copy).
+        A group skips the layers whose budget covers the context (--layer-weights), which leaves gaps."""
+        if layers[-1] - layers[0] + 1 == len(layers):
+            return self.layer_ids[layers[0]: layers[-1] + 1, None]
+        return torch.cat([self.layer_ids[layer: layer + 1, None] for layer in layers])
 
     def plan_prefetch(self, layers: list[int], scores: torch.Tensor, nblocks: torch.Tensor, layer_of: torch.Tensor,
                       rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
