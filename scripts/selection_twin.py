@@ -57,6 +57,9 @@ class Rule:
     rest: bool = False
     dense_layer: int | None = None  # this layer attends densely (--ablate-layers: what each layer's selection costs)
     layer_budgets: tuple[tuple[int, int], ...] = ()  # (layer, budget) pairs that replace `budget` there
+    # a second pass (0: none): the score keeps the best `shortlist` x budget tokens' blocks, and the exact attention
+    # mass over those keys alone ranks them for the budget
+    shortlist: float = 0
 
     def at_layer(self, layer: int | None) -> "Rule | None":
         """The rule as this layer applies it: None where the layer is dense, else with the layer's budget."""
@@ -71,6 +74,8 @@ class Rule:
         combined = " per KV head" if self.per_kv_head else " max over KV heads" if self.combine == "max" else ""
         rest = " + rest" if self.rest else ""
         dense = f" + layer {self.dense_layer} dense" if self.dense_layer is not None else ""
+        if self.shortlist:
+            dense += f" + exact over {self.shortlist:g}x"
         if self.layer_budgets:
             dense += " + " + ", ".join(f"layer {layer} at {b}" for layer, b in self.layer_budgets) + \
                 f", others at {self.budget}"
@@ -177,10 +182,9 @@ def twin_attention(module, query, key, value, attention_mask, scaling=None, drop
     logits = logits.masked_fill(~causal, float("-inf"))
     rule = active and active.at_layer(getattr(module, "layer_idx", None))
     if rule is not None:
-        scores = head_scores(rule, q, k, logits.softmax(-1), scaling)
-        scores = scores.view(-1, group, sq, scores.shape[-1]).amax(1)  # best head of each KV group
-        if not rule.per_kv_head:
-            scores = combine_kv_heads(rule, scores)
+        scores = selection_scores(rule, head_scores(rule, q, k, logits.softmax(-1), scaling), group)
+        if rule.shortlist:
+            scores = shortlist_scores(rule, scores, logits, group)
         keep = selected_keys(rule, scores, s, s - sq)
         if rule.per_kv_head:
             keep = keep.repeat_interleave(group, 0)
@@ -190,6 +194,31 @@ def twin_attention(module, query, key, value, attention_mask, scaling=None, drop
         logits = logits.masked_fill(~keep, float("-inf"))
     out = logits.softmax(-1) @ v.repeat_interleave(group, 0)
     return out.to(query.dtype).transpose(0, 1)[None].contiguous(), None
+
+
+def selection_scores(rule: Rule, scores: torch.Tensor, group: int) -> torch.Tensor:
+    """Per query head [Hq, Sq, NB] -> the selection's: the best head of each KV group, summed (or their max)
+    over the KV groups unless per KV head."""
+    scores = scores.view(-1, group, *scores.shape[1:]).amax(1)
+    return scores if rule.per_kv_head else combine_kv_heads(rule, scores)
+
+
+def shortlist_scores(rule: Rule, scores: torch.Tensor, logits: torch.Tensor, group: int) -> torch.Tensor:
+    """The second pass: the keys of the best `shortlist` x budget tokens' blocks by `scores`, then each such block's
+    exact attention mass in a softmax over those keys alone (what a kernel reading only the shortlist computes);
+    blocks off the list rank last. logits [Hq, Sq, S] (causal, -inf beyond)."""
+    hq, sq, s = logits.shape
+    wide = dataclasses.replace(rule, budget=int(rule.shortlist * rule.budget) // rule.block * rule.block, shortlist=0)
+    listed = selected_keys(wide, scores, s, s - sq)
+    if rule.per_kv_head:
+        listed = listed.repeat_interleave(group, 0)
+    probs = logits.masked_fill(~listed, float("-inf")).softmax(-1)
+    nb = scores.shape[-1]
+    pad = nb * rule.block - s
+    exact = torch.nn.functional.pad(probs, (0, pad)).view(hq, sq, nb, rule.block).sum(-1)
+    on_list = torch.nn.functional.pad(listed, (0, pad)).view(listed.shape[0], sq, nb, rule.block).any(-1)
+    on_list = on_list.view(-1, group, sq, nb).any(1) if rule.per_kv_head else on_list.any(0, keepdim=True)
+    return selection_scores(rule, exact, group).masked_fill(~on_list, float("-inf"))
 
 
 def rest_estimated(rule: Rule, logits, keep, q, k, v, scale: float, group: int) -> torch.Tensor:
@@ -300,8 +329,10 @@ def combines(args) -> list[str]:
 
 
 def with_layer_variants(rules: list[Rule], args, num_layers: int) -> list[Rule]:
-    """rules, then each again with one layer dense per layer (--ablate-layers), then each again with every
-    --layer-budgets split."""
+    """rules, then each again with every --shortlist, then all of those with one layer dense per layer
+    (--ablate-layers), then each again with every --layer-budgets split."""
+    rules = rules + [dataclasses.replace(r, shortlist=f) for r in rules if r.score != "oracle"
+                     for f in shortlists(args)]
     base = list(rules)
     if args.ablate_layers:
         rules = rules + [dataclasses.replace(r, dense_layer=layer) for r in base for layer in range(num_layers)]
@@ -324,6 +355,8 @@ def suggested_weights(cuts: dict[int, float], kl: float, share: float = 0.10, we
 def add_layer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rest", default="none", help="none (attend to the selection only) and/or mean (also the blocks "
                    "left out, each estimated by its mean key and value), e.g. none,mean")
+    p.add_argument("--shortlist", default="", help="also each bound and mass rule with a second pass: its score keeps "
+                   "this many times the budget, the exact attention mass over those keys picks the budget, e.g. 1.5,2")
     p.add_argument("--ablate-layers", action="store_true", help="also each rule with one layer dense, for every layer: "
                    "how much each layer's selection costs")
     p.add_argument("--layer-budgets", nargs="*", default=[], metavar="L=N[,L=N...]:OTHERS",
@@ -346,6 +379,13 @@ def parse_layer_budgets(specs: list[str], num_layers: int) -> list[tuple[tuple[t
             raise SystemExit(f"error: --layer-budgets {spec!r} names a layer outside 0..{num_layers - 1}")
         out.append((pairs, rest))
     return out
+
+
+def shortlists(args) -> list[float]:
+    factors = [float(f) for f in args.shortlist.split(",")] if args.shortlist else []
+    if any(f < 1 for f in factors):
+        raise SystemExit(f"error: --shortlist takes factors of the budget of at least 1, not {args.shortlist!r}")
+    return factors
 
 
 def rests(args) -> list[bool]:

@@ -2,6 +2,7 @@
 scored pass against one decode step per row, and dense's rows whenever the budget covers the context."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import pytest
@@ -303,3 +304,74 @@ def test_the_ablation_suggests_weights_for_the_layers_that_cut_the_kl_most():
     assert text.endswith("--layer-weights 7=2.5,18=2.5,20=2.5")  # 36%, 18%, 10%; layer 3's 3.4% and layer 0 left out
     assert "7 (36%), 18 (18%), 20 (10%)" in text
     assert "one budget in every layer" in twin.suggested_weights({1: 0.0001}, kl=0.005)
+
+
+def shortlist_keep(rule, q, k, first_pos):
+    """The twin's key mask with its second pass (rule.shortlist), rows q [Hq, Sq, D] over keys k [Hkv, S, D]."""
+    group = q.shape[0] // k.shape[0]
+    logits = q @ k.repeat_interleave(group, 0).transpose(1, 2)
+    causal = torch.arange(k.shape[1])[None] <= (torch.arange(q.shape[1]) + first_pos)[:, None]
+    logits = logits.masked_fill(~causal, float("-inf"))
+    scores = twin.selection_scores(rule, twin.head_scores(rule, q, k, logits.softmax(-1)), group)
+    return twin.selected_keys(rule, twin.shortlist_scores(rule, scores, logits, group), k.shape[1], first_pos)
+
+
+SHORTLIST_CASE = dict(hq=4, hkv=2, d=8, s=300, sq=3, block=8)  # 38 blocks; budget 128: 2 sink, 8 local, 6 chosen
+
+
+def shortlist_inputs(seed=3):
+    torch.manual_seed(seed)
+    c = SHORTLIST_CASE
+    return torch.randn(c["hq"], c["sq"], c["d"]) * 2, torch.randn(c["hkv"], c["s"], c["d"])
+
+
+@pytest.mark.parametrize("score", ["bound", "mass"])
+@pytest.mark.parametrize("per_kv_head", [False, True])
+def test_a_shortlist_of_the_budget_itself_keeps_the_rules_keys(score, per_kv_head):
+    q, k = shortlist_inputs()
+    rule = twin.Rule(score, 8, per_kv_head, 128)
+    first = k.shape[1] - q.shape[1]
+    alone, _ = twin_keep(rule, q, k, first)
+    assert torch.equal(shortlist_keep(dataclasses.replace(rule, shortlist=1), q, k, first), alone)
+
+
+@pytest.mark.parametrize("per_kv_head", [False, True])
+def test_a_shortlist_of_every_block_keeps_the_oracles_keys(per_kv_head):
+    q, k = shortlist_inputs()
+    first = k.shape[1] - q.shape[1]
+    oracle, _ = twin_keep(twin.Rule("oracle", 8, per_kv_head, 128), q, k, first)
+    listed = twin.Rule("bound", 8, per_kv_head, 128, shortlist=3)  # 384 tokens: all 38 blocks
+    assert torch.equal(shortlist_keep(listed, q, k, first), oracle)
+
+
+def test_a_shortlist_ranks_its_blocks_by_the_mass_of_a_softmax_over_its_keys_alone():
+    """Brute force, one selection per layer: the rule's best 24 blocks (sink and local window included), then the
+    6 of them outside sink and window with the most mass, each KV group's best head, summed over the groups."""
+    q, k = shortlist_inputs(seed=4)
+    c, block = SHORTLIST_CASE, 8
+    rule = twin.Rule("mass", block, False, 128, shortlist=1.5)  # 192 tokens: 24 blocks
+    first = c["s"] - c["sq"]
+    keep = shortlist_keep(rule, q, k, first)
+    wide, _ = twin_keep(dataclasses.replace(rule, budget=192, shortlist=0), q, k, first)
+    logits = q @ k.repeat_interleave(2, 0).transpose(1, 2)
+    for i in range(c["sq"]):
+        n = -(-(first + i + 1) // block)
+        listed = wide[0, i].nonzero().flatten()
+        assert len({j // block for j in listed.tolist()}) == 24
+        probs = logits[:, i, listed].softmax(-1)  # [Hq, listed keys]
+        blocks = listed // block
+        mass = {b: sum(max(float(probs[2 * g + h, blocks == b].sum()) for h in (0, 1)) for g in (0, 1))
+                for b in set(blocks.tolist())}
+        forced = {0, 1} | set(range(n - 8, n))
+        free = sorted((b for b in mass if b not in forced), key=lambda b: -mass[b])
+        got = {j // block for j in keep[0, i].nonzero().flatten().tolist()}
+        assert got == forced | set(free[:6])
+
+
+def test_the_shortlist_flag_adds_a_second_pass_to_bound_and_mass_rules_only():
+    rules = [twin.Rule("mass", 16, False, 2048), twin.Rule("oracle", 16, False, 2048)]
+    args = argparse.Namespace(shortlist="2", ablate_layers=False, layer_budgets=[])
+    out = twin.with_layer_variants(rules, args, 30)
+    assert [r.label for r in out] == ["mass block 16", "oracle block 16", "mass block 16 + exact over 2x"]
+    with pytest.raises(SystemExit, match="at least 1"):
+        twin.with_layer_variants(rules, argparse.Namespace(shortlist="0.5", ablate_layers=False, layer_budgets=[]), 30)
