@@ -62,6 +62,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="share the tokens of --kv-budget in every layer among the layers by weight (1 where not "
                         "named), e.g. 7=2.5,18=2.5 gives layers 7 and 18 2.5 times the others' budget, each rounded "
                         "down to whole blocks; retrieval and oasis keep working sets of the largest budget")
+    k.add_argument("--shortlist", type=float, default=KV_DEFAULTS.shortlist, metavar="F",
+                   help="quest: a second pass (0: none). The block scores keep F times the budget, and the exact "
+                        "attention mass of those blocks, in a softmax over their keys alone, picks the budget; "
+                        "reads the listed keys once more a step")
     k.add_argument("--working-set", type=int, default=KV_DEFAULTS.working_set,
                    help="retrieval/oasis: KV tokens per request per layer kept on the GPU (default: --kv-budget); "
                         "more keeps recently used blocks resident, so fewer selected blocks miss")
@@ -122,7 +126,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     kv = KVConfig(mode=args.kv_mode, budget=args.kv_budget, sink_blocks=args.sink_blocks,
                   local_blocks=args.local_blocks, dense_layers=args.dense_layers, block_score=args.block_score,
                   select_per=args.select_per, summary_tokens=args.summary_tokens, layer_weights=args.layer_weights,
-                  host_kv_gb=args.host_kv_gb,
+                  shortlist=args.shortlist, host_kv_gb=args.host_kv_gb,
                   working_set=args.working_set,
                   fetch_cap=args.fetch_cap, draft=draft, draft_model=draft_model, miss_policy=args.miss_policy)
     return EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,

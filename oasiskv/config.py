@@ -119,6 +119,9 @@ class KVConfig:
     # not named); layers differ in what a selection loses (docs/ACCURACY.md, "Budgets per layer"). Retrieval and
     # oasis size every layer's working set for the largest budget
     layer_weights: tuple[tuple[int, float], ...] = ()
+    # quest: a second pass (0 = none). The block scores keep shortlist x the budget; the listed blocks' exact attention
+    # mass, in a softmax over their keys alone, picks the budget (kernels/shortlist_mass.py): reads their keys again
+    shortlist: float = 0.0
     host_kv_gb: float | None = None  # host store size; default: what the machine can spare
     # retrieval, oasis: tokens per request per layer resident on the GPU (default: the budget). Room beyond
     # the budget keeps recently used blocks, so fewer selected blocks miss; attention still reads the budget
@@ -155,6 +158,8 @@ class KVConfig:
             self.validate_working_set(block_size)
         if self.layer_weights:
             self.validate_layer_weights(block_size, num_layers)
+        if self.shortlist:
+            self.validate_shortlist()
         if self.dense_layers and self.offloaded:
             raise ValueError(f"--dense-layers is supported in quest mode only ({self.mode} keeps no full KV on the GPU)")
         if self.mode == "oasis":
@@ -167,6 +172,18 @@ class KVConfig:
         if self.working_set % block_size or self.working_set < self.budget:
             raise ValueError(f"--working-set must be a multiple of the block size {block_size} and at least "
                              f"--kv-budget ({self.budget}), got {self.working_set}")
+
+    def validate_shortlist(self) -> None:
+        if self.shortlist < 1:
+            raise ValueError(f"--shortlist must be 0 (off) or at least 1 (times the budget), got {self.shortlist:g}")
+        if self.mode != "quest":
+            raise ValueError(f"--shortlist applies to quest mode, not {self.mode}: its second pass reads the listed "
+                             "blocks' keys on the GPU (oracle ranks every block exactly already; retrieval and oasis "
+                             "hold the keys on the host, which is not built)")
+
+    def shortlist_blocks(self, budget_blocks: int) -> int:
+        """Blocks the first pass keeps for a layer budget of `budget_blocks`."""
+        return max(budget_blocks, int(self.shortlist * budget_blocks + 1e-6))
 
     def validate_layer_weights(self, block_size: int, num_layers: int) -> None:
         if self.mode == "dense":
@@ -211,10 +228,13 @@ class KVConfig:
 
     def for_mode(self, mode: str, **changes) -> "KVConfig":
         """This configuration for another mode (bench and eval run several from one set of flags):
-        --working-set stays with the host modes and is dropped for those that hold everything on the GPU."""
+        --working-set stays with the host modes and is dropped for those that hold everything on the GPU; --shortlist
+        stays with quest."""
         kv = dataclasses.replace(self, mode=mode, **changes)
         if mode == "dense":  # dense selects nothing: a sweep's --select-per leaves it as it is
             kv = dataclasses.replace(kv, select_per="layer", summary_tokens=None, layer_weights=())
+        if mode != "quest":  # only quest takes a second pass
+            kv = dataclasses.replace(kv, shortlist=0.0)
         return kv if kv.offloaded else dataclasses.replace(kv, working_set=None)
 
     @property
@@ -238,10 +258,10 @@ class KVConfig:
 
     def require_layer_layout(self, where: str) -> None:
         """For what exchanges or combines whole layers' KV chunks, summaries and block scores."""
-        if self.select_per != "layer" or self.summary_tokens is not None or self.layer_weights:
-            raise ValueError(f"--select-per kv-head, --summary-tokens and --layer-weights are not supported with "
-                             f"{where} (it works on one selection, one KV chunk and one summary per layer and block, "
-                             "and one budget)")
+        if self.select_per != "layer" or self.summary_tokens is not None or self.layer_weights or self.shortlist:
+            raise ValueError(f"--select-per kv-head, --summary-tokens, --layer-weights and --shortlist are not "
+                             f"supported with {where} (it works on one selection, one KV chunk and one summary per "
+                             "layer and block, one budget and one pass)")
 
     def summary_parts(self, block_size: int) -> int:
         """Summaries per block."""

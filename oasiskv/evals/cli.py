@@ -58,6 +58,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="budget weights per layer of the selecting modes (as the engine's flag), a sweep of settings "
                         "separated by spaces, none for one budget in every layer: none 7=2.5,18=2.5; a weighted row "
                         "names its weights (quest+layers(7=2.5,18=2.5))")
+    g.add_argument("--shortlist", type=csv(float), default=None,
+                   help="quest's second pass, a sweep of factors of the budget, 0 for none: 0,2; a row with one "
+                        "names it (quest+shortlist2)")
     g.add_argument("--tasks", type=csv(str), default=list(ALL_TASKS), help=f"subset of {','.join(ALL_TASKS)}")
     g.add_argument("--corpus", default="austen", choices=CORPORA, help="haystack and perplexity text")
     g.add_argument("--cache-dir", default=None, help="where fetched texts live (default ~/.cache/oasiskv/evals)")
@@ -91,6 +94,7 @@ def base_config(args: argparse.Namespace):
         values = getattr(args, name)
         scalar[name] = values[0] if values else getattr(defaults, name, None)
     scalar["layer_weights"] = ()  # the weighted rows carry their own; the base serves modes that take none
+    scalar["shortlist"] = 0.0  # likewise: only quest rows take one
     return engine_config(argparse.Namespace(**scalar))
 
 
@@ -111,7 +115,7 @@ def main(args: argparse.Namespace) -> None:
         sizes = [None if n == block_size else n for n in args.summary_tokens or []]  # whole blocks: not named
         variants, skipped = split_runnable(expand_variants(args.modes, args.kv_budget, caps, args.draft,
                                                            args.block_score, args.miss_policy, args.select_per,
-                                                           sizes, args.layer_weights),
+                                                           sizes, args.layer_weights, args.shortlist),
                                            block_size)
         documents = load_corpus(args.corpus, args.cache_dir)
         settings_used = {**{k: v for k, v in vars(args).items() if k != "func"},

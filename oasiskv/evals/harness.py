@@ -32,6 +32,7 @@ class Variant:
     select_per: str | None = None
     summary_tokens: int | None = None
     layer_weights: tuple[tuple[int, float], ...] | None = None
+    shortlist: float | None = None
 
     @property
     def series(self) -> str:
@@ -45,6 +46,7 @@ class Variant:
         text += f"+sum{self.summary_tokens}" if self.summary_tokens is not None else ""
         if self.layer_weights:
             text += "+layers(" + ",".join(f"{layer}={w:g}" for layer, w in self.layer_weights) + ")"
+        text += f"+shortlist{self.shortlist:g}" if self.shortlist else ""
         text += f"@{self.fetch_cap:g}" if self.fetch_cap is not None else ""
         return text + (f" {self.draft}" if self.draft else "")
 
@@ -59,10 +61,10 @@ DENSE = Variant("dense")
 def expand_variants(modes: list[str], budgets: list[int], caps: list[float] | None, drafts: list[str] | None,
                     block_scores: list[str] | None = None, miss_policies: list[str] | None = None,
                     select_per: list[str] | None = None, summary_tokens: list[int] | None = None,
-                    layer_weights: list[tuple] | None = None) -> list[Variant]:
+                    layer_weights: list[tuple] | None = None, shortlists: list[float] | None = None) -> list[Variant]:
     """Every non-dense mode at every budget; lookahead modes also at every cap, draft source and miss policy,
     the modes that score blocks at every block score and summary size, those that select at every
-    --select-per and --layer-weights."""
+    --select-per and --layer-weights, quest at every --shortlist."""
     out = []
     for mode in dict.fromkeys(modes):
         if mode == "dense":
@@ -71,8 +73,11 @@ def expand_variants(modes: list[str], budgets: list[int], caps: list[float] | No
         sizes = list(dict.fromkeys(summary_tokens or [None])) if mode in SCORING_MODES else [None]
         scopes = list(dict.fromkeys(select_per or [None])) if mode in SELECTING_MODES else [None]
         weightings = list(dict.fromkeys(layer_weights or [None])) if mode in SELECTING_MODES else [None]
-        for scope, size, score, weights, budget in itertools.product(scopes, sizes, scores, weightings, budgets):
-            shared = dict(block_score=score, select_per=scope, summary_tokens=size, layer_weights=weights or None)
+        factors = list(dict.fromkeys(shortlists or [None])) if mode == "quest" else [None]
+        for scope, size, score, weights, factor, budget in itertools.product(scopes, sizes, scores, weightings,
+                                                                              factors, budgets):
+            shared = dict(block_score=score, select_per=scope, summary_tokens=size, layer_weights=weights or None,
+                          shortlist=factor or None)
             if mode in LOOKAHEAD_MODES:
                 out += [Variant(mode, budget, c, d, miss_policy=m, **shared)
                         for m in dict.fromkeys(miss_policies or [None])
@@ -93,7 +98,7 @@ def split_runnable(variants: list[Variant], block_size: int) -> tuple[list[Varia
 def variant_config(base: EngineConfig, v: Variant) -> EngineConfig:
     changes = {}
     for name in ("budget", "fetch_cap", "draft", "block_score", "miss_policy", "select_per", "summary_tokens",
-                 "layer_weights"):
+                 "layer_weights", "shortlist"):
         if getattr(v, name) is not None:
             changes[name] = getattr(v, name)
     missing = [n for n in changes if n not in {f.name for f in dataclasses.fields(KVConfig)}]

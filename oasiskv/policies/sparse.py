@@ -18,6 +18,7 @@ from oasiskv.kernels.block_select import (block_scores, block_scores_multi, bloc
                                           block_scores_reference, select_blocks_padded)
 from oasiskv.kernels.block_topk import select_blocks_fused
 from oasiskv.kernels.paged_decode import paged_decode_attention, paged_decode_reference
+from oasiskv.kernels.shortlist_mass import listed_mass, shortlist_block_lse, shortlist_block_lse_reference
 from oasiskv.kernels.sparse_decode import sparse_decode_attention_padded, sparse_decode_padded_reference
 from oasiskv.kv.gpu_pool import KVPool
 from oasiskv.kv.summaries import BlockSummaries
@@ -104,14 +105,14 @@ class SparsePolicy(KVPolicy):
         scores = self.score_blocks(layer, q, score_tables, self.rows_now.nblocks)
         return self.select_by(scores, self.layer_budget_blocks[layer])
 
-    def select_by(self, scores: torch.Tensor, budget_blocks: int | None = None):
+    def select_by(self, scores: torch.Tensor, budget_blocks: int | None = None, count: bool = True):
         """`select` from the decode queries' block scores, fp32 [B, blocks] (all ranks' heads); budget_blocks:
-        the layer's (default: --kv-budget's)."""
+        the layer's (default: --kv-budget's); count: add the selected blocks to the counters."""
         nblocks = self.rows_now.nblocks
         select = select_blocks_fused if self.cuda else select_blocks_padded
         budget = self.budget_blocks if budget_blocks is None else budget_blocks
         counts, padded = select(scores, nblocks, budget, self.cfg.sink_blocks, self.cfg.local_blocks)
-        if self.counts_selections:
+        if self.counts_selections and count:
             self.selected_on_device += counts.sum()  # summed on the device: no sync per layer
         return counts, padded
 
@@ -177,6 +178,20 @@ class QuestPolicy(SparsePolicy):
             out[:nd] = self.decode(layer, q[:nd], kv_layer)
         return out
 
+    def select(self, layer: int, q: torch.Tensor, score_tables: torch.Tensor):
+        """With --shortlist F, in two passes: the block scores keep F x the layer's budget, then each listed block's
+        exact attention mass, in a softmax over the listed keys alone, picks the budget among them."""
+        if not self.cfg.shortlist:
+            return super().select(layer, q, score_tables)
+        budget = self.layer_budget_blocks[layer]
+        scores = self.score_blocks(layer, q, score_tables, self.rows_now.nblocks)
+        _, listed = self.select_by(scores, self.cfg.shortlist_blocks(budget), count=False)
+        lse = shortlist_block_lse if self.cuda else shortlist_block_lse_reference
+        kv_layer = self.pool.layer(layer)
+        mass = listed_mass(lse(q, kv_layer, score_tables, listed, self.meta.decode_seq_lens, self.scale),
+                           kv_heads=kv_layer.shape[3])
+        return self.select_by(on_the_list(self.combined(mass), listed, scores.shape[1]), budget)
+
     def decode(self, layer, q, kv_layer):
         meta = self.meta
         rows = self.rows_now
@@ -188,3 +203,9 @@ class QuestPolicy(SparsePolicy):
             _, selection = self.select(layer, q, meta.decode_block_tables)
         with self.timer("attention"):
             return self.attention(q, kv_layer, meta.decode_block_tables, selection)
+
+
+def on_the_list(mass: torch.Tensor, listed: torch.Tensor, width: int) -> torch.Tensor:
+    """The listed blocks' scores [B, W] at their logical ids in a row of `width` blocks, -inf for every other."""
+    out = torch.full((mass.shape[0], width + 1), float("-inf"), device=mass.device)
+    return out.scatter_(1, torch.where(listed >= 0, listed.long(), width), mass)[:, :width]  # -1: a spare column

@@ -1,0 +1,118 @@
+"""The shortlist's second pass (--shortlist): blocks ranked by the exact attention they get from the decode
+query, in a softmax over the shortlisted keys alone.
+
+Block summaries rank blocks by an estimate; the exact attention mass ranks them as well as any selection can
+(the oracle mode), but over every key it reads the whole context. Here the summaries' score keeps a shortlist of
+a few times the budget, and only those blocks' keys are read.
+
+For decode row b, query head h and listed column w (logical block listed[b, w], -1 = none; its physical block
+tables[b, listed[b, w]]):
+  block_lse[b, h, w] = log sum_t exp(scale * q[b, h] . k_t)  over the block's keys t < seq_lens[b]
+  (-inf where nothing is listed). The kernel writes these, one program per (row, KV head, column), each reading
+  its block's keys once for the KV head's group of query heads. listed_mass() turns them into each block's
+  score: per head exp(block_lse - logsumexp over the row's columns), the best head of each KV group, summed over
+  the groups (as quest and the oracle combine heads). The torch twin runs on the CPU; the tests check both
+  against a float64 brute force."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["listed_mass", "shortlist_block_lse", "shortlist_block_lse_reference"]
+
+
+@triton.jit
+def _block_lse_kernel(q_ptr, kv_ptr, tables_ptr, listed_ptr, lens_ptr, out_ptr, scale,
+                      s_qb, s_qh, s_kvb, s_kvt, s_kvh, s_tb, s_lb, s_ob, s_oh, GROUP, D,
+                      BLOCK: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr):
+    b, h, w = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    g, t, d = tl.arange(0, G_PAD), tl.arange(0, BLOCK), tl.arange(0, D_PAD)
+    heads = h * GROUP + g
+    logical = tl.load(listed_ptr + b * s_lb + w)
+    physical = tl.load(tables_ptr + b * s_tb + tl.maximum(logical, 0)).to(tl.int64)
+    positions = logical * BLOCK + t
+    valid = (positions >= 0) & (positions < tl.load(lens_ptr + b))  # logical -1: every position below 0
+    q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + d[None, :], mask=(g[:, None] < GROUP) & (d[None, :] < D),
+                other=0.0).to(tl.float32)
+    k = tl.load(kv_ptr + physical * s_kvb + t[:, None] * s_kvt + h * s_kvh + d[None, :],  # K: index 0 of dim 1
+                mask=valid[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
+    logits = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G_PAD, BLOCK]
+    logits = tl.where(valid[None, :], logits, float("-inf"))
+    top = tl.max(logits, axis=1)
+    top = tl.where(top == float("-inf"), 0.0, top)  # an empty column: log(0) = -inf below, not nan
+    lse = top + tl.log(tl.sum(tl.exp(logits - top[:, None]), axis=1))
+    tl.store(out_ptr + b * s_ob + heads * s_oh + w, lse, mask=g < GROUP)
+
+
+def shortlist_block_lse(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor, listed: torch.Tensor,
+                        seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """fp32 [B, Hq, W]: per query head, the log-sum-exp of its logits over each listed block's keys.
+    q [B, Hq, D]; kv_layer [blocks, 2, block_size, Hkv, D]; tables int32 [B, max_blocks] (logical -> physical);
+    listed int32 [B, W] logical ids, -1 = none; seq_lens int32 [B], the new token included."""
+    _check(q, kv_layer, tables, listed, seq_lens)
+    bsz, hq, d = q.shape
+    _, _, block, hkv, _ = kv_layer.shape
+    width = listed.shape[1]
+    out = torch.empty(bsz, hq, width, dtype=torch.float32, device=q.device)
+    if bsz == 0 or width == 0:
+        return out
+    group = hq // hkv
+    _block_lse_kernel[(bsz, hkv, width)](
+        q, kv_layer, tables, listed, seq_lens, out, scale,
+        q.stride(0), q.stride(1), kv_layer.stride(0), kv_layer.stride(2), kv_layer.stride(3), tables.stride(0),
+        listed.stride(0), out.stride(0), out.stride(1), group, d,
+        BLOCK=block, G_PAD=triton.next_power_of_2(group), D_PAD=triton.next_power_of_2(d), num_warps=4)
+    return out
+
+
+def shortlist_block_lse_reference(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor,
+                                  listed: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Torch twin of shortlist_block_lse (fixed shapes, no host sync)."""
+    _check(q, kv_layer, tables, listed, seq_lens)
+    bsz, hq, d = q.shape
+    _, _, block, hkv, _ = kv_layer.shape
+    physical = tables.long().gather(1, listed.long().clamp(min=0))  # [B, W]
+    keys = kv_layer[physical, 0].float()  # [B, W, block, Hkv, D]
+    logits = torch.einsum("bhgd,bwthd->bhgwt", q.float().view(bsz, hkv, hq // hkv, d), keys) * scale
+    positions = listed.long()[:, :, None] * block + torch.arange(block, device=q.device)
+    valid = (listed[:, :, None] >= 0) & (positions < seq_lens.long()[:, None, None])  # [B, W, block]
+    logits = logits.masked_fill(~valid[:, None, None], float("-inf"))
+    return torch.logsumexp(logits, -1).reshape(bsz, hq, listed.shape[1])
+
+
+def listed_mass(block_lse: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[B, Hq, W] -> fp32 [B, W]: each listed block's attention mass in a softmax over the listed keys alone, the
+    best query head of each KV group, summed over the groups (0 where nothing is listed)."""
+    total = torch.logsumexp(block_lse, -1, keepdim=True)
+    mass = torch.where(block_lse > float("-inf"), (block_lse - total).exp(), torch.zeros_like(block_lse))
+    bsz, hq, width = mass.shape
+    return mass.view(bsz, kv_heads, hq // kv_heads, width).amax(2).sum(1)
+
+
+def _check(q, kv_layer, tables, listed, seq_lens) -> None:
+    if q.dim() != 3 or kv_layer.dim() != 5 or kv_layer.shape[1] != 2:
+        raise ValueError(f"q must be [B, Hq, D] and kv_layer [blocks, 2, block_size, Hkv, D], got "
+                         f"{tuple(q.shape)} and {tuple(kv_layer.shape)}")
+    bsz, hq, d = q.shape
+    hkv = kv_layer.shape[3]
+    if hq % hkv or kv_layer.shape[4] != d:
+        raise ValueError(f"q [B, {hq}, {d}] does not fit kv_layer's {hkv} KV heads x head_dim {kv_layer.shape[4]}")
+    for name, t, dims in (("tables", tables, 2), ("listed", listed, 2), ("seq_lens", seq_lens, 1)):
+        if t.dim() != dims or t.dtype != torch.int32 or t.shape[0] != bsz or t.device != q.device:
+            raise ValueError(f"{name} must be int32 with {dims} dimension(s), {bsz} rows, on {q.device}; got "
+                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    if kv_layer.device != q.device or kv_layer.stride(4) != 1 or q.stride(2) != 1:
+        raise ValueError("q and kv_layer must be on one device and contiguous along head_dim")
+    if tables.stride(1) != 1 or listed.stride(1) != 1:
+        raise ValueError("tables and listed must be contiguous along their last dimension")
+
+
+def compile_for(arch: int, group: int, head_dim: int, block: int = 16):
+    """_block_lse_kernel compiled ahead of time (kernels/aot.py) for a model's query group and head size."""
+    from oasiskv.kernels.aot import compile_ahead
+
+    pointers = {n: "*i32" for n in ("tables_ptr", "listed_ptr", "lens_ptr")}
+    pointers.update(q_ptr="*bf16", kv_ptr="*bf16", out_ptr="*fp32")
+    meta = dict(BLOCK=block, G_PAD=triton.next_power_of_2(group), D_PAD=triton.next_power_of_2(head_dim))
+    return compile_ahead(_block_lse_kernel, pointers, meta, arch, num_warps=4, scalars={"scale": "fp32"})

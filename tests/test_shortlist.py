@@ -1,0 +1,86 @@
+"""--shortlist F (quest): the block scores keep F x the budget, the listed blocks' exact attention mass in a softmax
+over their keys alone picks the budget. Against the transformers twin of scripts/selection_twin.py (teacher-forced
+rows); F = 1 is quest itself, a list of every block the oracle; clear errors where it cannot apply."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oasiskv.api import LLM
+from oasiskv.config import KVConfig
+from oasiskv.evals.harness import expand_variants
+from scripts import selection_twin as twin
+
+from tests.test_oasis import SPARSE, run
+from tests.test_per_kv_head import BUDGET, LONG, SCORED, engine_rows, tiny  # noqa: F401 (tiny: the fixture)
+
+
+@pytest.mark.parametrize("score", ["bound", "mass"])
+@pytest.mark.parametrize("select_per", ["layer", "kv-head"])
+def test_the_second_pass_selects_what_the_twin_selects(tiny, score, select_per):  # noqa: F811
+    path, model, windows = tiny
+    alone = twin.Rule(score, 16, select_per == "kv-head", BUDGET)
+    listed = twin.Rule(score, 16, select_per == "kv-head", BUDGET, shortlist=2)  # 12 of 17-20 blocks
+    expected = [twin.scored_rows(model, w, SCORED, [alone, listed]) for w in windows]
+    got = engine_rows(path, windows, "quest", score, select_per, shortlist=2.0)
+    for rows, (_, second_pass) in zip(got, expected):
+        torch.testing.assert_close(rows, second_pass, atol=2e-5, rtol=0)
+    assert max((a - b).abs().max().item() for a, b in expected) > 1e-2  # the second pass changes the rows
+
+
+@pytest.fixture(scope="module")
+def quest_tokens():
+    return run(LLM(show_progress=False, kv_mode="quest", **SPARSE), LONG)
+
+
+def test_a_list_of_the_budget_itself_gives_quests_tokens(quest_tokens):
+    assert run(LLM(show_progress=False, kv_mode="quest", shortlist=1.0, **SPARSE), LONG) == quest_tokens
+
+
+def test_a_list_of_every_block_gives_the_oracles_tokens(quest_tokens):
+    """SPARSE's 4-block budget: a list of 20 blocks holds the 70- and 120-token prompts and their 24 tokens."""
+    oracle = run(LLM(show_progress=False, kv_mode="oracle", **SPARSE), LONG)
+    assert oracle != quest_tokens
+    assert run(LLM(show_progress=False, kv_mode="quest", shortlist=5.0, **SPARSE), LONG) == oracle
+
+
+def test_a_budget_above_the_context_gives_dense():
+    dense = run(LLM(show_progress=False, kv_mode="dense", kv_cache_gb=0.2), LONG)
+    assert run(LLM(show_progress=False, kv_mode="quest", shortlist=2.0, kv_budget=2048, kv_cache_gb=0.4), LONG) == dense
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(shortlist=0.5), "0 \\(off\\) or at least 1"),
+    (dict(mode="oasis"), "applies to quest mode, not oasis"),
+    (dict(mode="oracle"), "applies to quest mode, not oracle"),
+])
+def test_impossible_settings_are_clear_errors(changes, message):
+    kv = KVConfig(**{"mode": "quest", "shortlist": 2.0, **changes})
+    with pytest.raises(ValueError, match=message):
+        kv.validate(16, 30)
+
+
+def test_other_modes_of_a_sweep_drop_it_and_layouts_that_need_one_pass_refuse_it():
+    kv = KVConfig(mode="quest", shortlist=2.0)
+    assert kv.for_mode("oasis").shortlist == 0 and kv.for_mode("quest").shortlist == 2.0
+    assert kv.shortlist_blocks(128) == 256 and KVConfig(shortlist=1.5).shortlist_blocks(5) == 7
+    with pytest.raises(ValueError, match="--shortlist are not supported with --tensor-parallel-size"):
+        kv.require_layer_layout("--tensor-parallel-size > 1")
+
+
+def test_the_eval_sweeps_it_on_quest_rows_only():
+    rows = expand_variants(["quest", "oasis"], [2048], [0.05], None, shortlists=[0.0, 2.0])
+    assert [v.label for v in rows] == ["quest budget=2048", "quest+shortlist2 budget=2048", "oasis@0.05 budget=2048"]
+
+
+def test_the_triton_kernel_in_the_engine_gives_the_torch_paths_rows(tiny, monkeypatch):  # noqa: F811
+    """The engine's CUDA path of the second pass (under the interpreter, set by conftest), on what the engine passes."""
+    import oasiskv.policies.sparse as sparse
+    from oasiskv.kernels.shortlist_mass import shortlist_block_lse
+
+    path, _, windows = tiny
+    torch_path = engine_rows(path, windows, "quest", "bound", "layer", shortlist=2.0)
+    monkeypatch.setattr(sparse, "shortlist_block_lse_reference", shortlist_block_lse)
+    kernel = engine_rows(path, windows, "quest", "bound", "layer", shortlist=2.0)
+    for a, b in zip(kernel, torch_path):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
