@@ -97,6 +97,8 @@ BLOCK_SCORES = ("bound", "mass")
 # what one selection serves: every KV head of a layer (the blocks scored by all heads), or each KV head on its own
 # (its own blocks, its own budget; policies/per_kv_head.py)
 SELECT_PER = ("layer", "kv-head")
+# the modes with a second pass over a shortlist (--shortlist): oasis ranks the listed blocks it holds on the GPU
+SHORTLIST_MODES = ("quest", "oasis")
 
 
 @dataclass(frozen=True)
@@ -119,8 +121,9 @@ class KVConfig:
     # not named); layers differ in what a selection loses (docs/ACCURACY.md, "Budgets per layer"). Retrieval and
     # oasis size every layer's working set for the largest budget
     layer_weights: tuple[tuple[int, float], ...] = ()
-    # quest: a second pass (0 = none). The block scores keep shortlist x the budget; the listed blocks' exact attention
-    # mass, in a softmax over their keys alone, picks the budget (kernels/shortlist_mass.py): reads their keys again
+    # quest, oasis: a second pass (0 = none). The block scores keep shortlist x the budget; the listed blocks' exact
+    # attention mass, in a softmax over their keys alone, picks the budget (kernels/shortlist_mass.py): reads their keys
+    # again. Oasis predicts the draft's list and keeps working sets of the list's size
     shortlist: float = 0.0
     host_kv_gb: float | None = None  # host store size; default: what the machine can spare
     # retrieval, oasis: tokens per request per layer resident on the GPU (default: the budget). Room beyond
@@ -176,10 +179,9 @@ class KVConfig:
     def validate_shortlist(self) -> None:
         if self.shortlist < 1:
             raise ValueError(f"--shortlist must be 0 (off) or at least 1 (times the budget), got {self.shortlist:g}")
-        if self.mode != "quest":
-            raise ValueError(f"--shortlist applies to quest mode, not {self.mode}: its second pass reads the listed "
-                             "blocks' keys on the GPU (oracle ranks every block exactly already; retrieval and oasis "
-                             "hold the keys on the host, which is not built)")
+        if self.mode not in SHORTLIST_MODES:
+            raise ValueError(f"--shortlist applies to quest and oasis, not {self.mode} (oracle ranks every block "
+                             "exactly already; retrieval's fetch of the list first is not built)")
 
     def shortlist_blocks(self, budget_blocks: int) -> int:
         """Blocks the first pass keeps for a layer budget of `budget_blocks`."""
@@ -223,17 +225,18 @@ class KVConfig:
 
     def working_set_blocks(self, num_layers: int, block_size: int) -> int:
         """Blocks per request and layer on the GPU (retrieval, oasis): --working-set, or the largest layer budget
-        where that is more (a working set holds its layer's whole selection)."""
-        return max(self.working_set_tokens, self.largest_budget(num_layers, block_size)) // block_size
+        (times --shortlist) where that is more (a working set holds its layer's whole selection, or list)."""
+        listed = self.shortlist_blocks(self.largest_budget(num_layers, block_size) // block_size) * block_size
+        return max(self.working_set_tokens, listed) // block_size
 
     def for_mode(self, mode: str, **changes) -> "KVConfig":
         """This configuration for another mode (bench and eval run several from one set of flags):
         --working-set stays with the host modes and is dropped for those that hold everything on the GPU; --shortlist
-        stays with quest."""
+        stays with quest and oasis."""
         kv = dataclasses.replace(self, mode=mode, **changes)
         if mode == "dense":  # dense selects nothing: a sweep's --select-per leaves it as it is
             kv = dataclasses.replace(kv, select_per="layer", summary_tokens=None, layer_weights=())
-        if mode != "quest":  # only quest takes a second pass
+        if mode not in SHORTLIST_MODES:
             kv = dataclasses.replace(kv, shortlist=0.0)
         return kv if kv.offloaded else dataclasses.replace(kv, working_set=None)
 

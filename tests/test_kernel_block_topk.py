@@ -162,6 +162,7 @@ def test_prefetch_list_is_the_best_missing_blocks(cap, ties, path):
         ref = plan_prefetch_reference(scores, prediction, cap, **kwargs)
         assert _rows_as_sets(ref) == expected
         _prefix_then_padding(ref)
+        assert torch.equal(ref, fetch)  # in the kernel's order too: it decides the working set's slots
 
 
 def test_residency_arguments_are_checked():

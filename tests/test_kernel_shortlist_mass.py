@@ -15,8 +15,8 @@ BLOCK = 16
 
 
 def random_case(batch, hq, hkv, d, width, seed, dtype=torch.float32):
-    """A paged pool with shuffled physical blocks, sequences of random lengths (partial tails), and per row a
-    list of `width` distinct logical blocks below the row's end, some columns -1."""
+    """A paged pool with shuffled physical blocks, some not on the GPU (-1), sequences of random lengths (partial
+    tails), and per row a list of `width` distinct logical blocks below the row's end, some columns -1."""
     gen = torch.Generator().manual_seed(seed)
     lens = torch.randint(BLOCK + 1, 12 * BLOCK, (batch,), generator=gen).int()
     max_blocks = 12
@@ -29,6 +29,7 @@ def random_case(batch, hq, hkv, d, width, seed, dtype=torch.float32):
         listed[b, :n] = torch.randperm(nblocks, generator=gen)[:n].int()
         listed[b] = listed[b, torch.randperm(width, generator=gen)]  # -1 columns anywhere
     q = (torch.randn(batch, hq, d, generator=gen) * 2).to(dtype)
+    tables[torch.rand(tables.shape, generator=gen) < 0.15] = -1  # not on the GPU (a working set's table)
     return [t.to(DEV) for t in (q, pool, tables, listed, lens)]
 
 
@@ -39,7 +40,7 @@ def brute_force(q, pool, tables, listed, lens, scale):
     out = torch.full((batch, hq, listed.shape[1]), float("-inf"), dtype=torch.float64)
     for b in range(batch):
         for w, logical in enumerate(listed[b].tolist()):
-            if logical < 0:
+            if logical < 0 or tables[b, logical] < 0:
                 continue
             keys = pool[int(tables[b, logical]), 0].double()  # [BLOCK, Hkv, D]
             count = min(BLOCK, int(lens[b]) - logical * BLOCK)
@@ -79,7 +80,7 @@ def test_listed_mass_is_each_blocks_share_of_a_softmax_over_the_listed_keys():
     for b in range(2):
         keys, owner = [], []
         for w, logical in enumerate(listed[b].tolist()):
-            if logical >= 0:
+            if logical >= 0 and tables[b, logical] >= 0:
                 count = min(BLOCK, int(lens[b]) - logical * BLOCK)
                 keys.append(pool[int(tables[b, logical]), 0, :count])
                 owner += [w] * count

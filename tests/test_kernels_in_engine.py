@@ -33,6 +33,7 @@ RUN = textwrap.dedent('''
     block_score, miss_policy, select_per = sys.argv[4], sys.argv[5], sys.argv[6]
     summary_tokens = int(sys.argv[7]) or None
     layer_weights = tuple((int(l), float(w)) for l, w in (p.split("=") for p in sys.argv[8].split(",") if p))
+    shortlist = float(sys.argv[9])
     if forced:  # what the policies call on CUDA, in place of the torch twins they call on the CPU
         from tests.gpu_paths import force_gpu_kernel_paths
         force_gpu_kernel_paths()
@@ -40,7 +41,7 @@ RUN = textwrap.dedent('''
                        kv=KVConfig(mode="oasis", budget=64, sink_blocks=1, local_blocks=1, fetch_cap=0.5,
                                    host_kv_gb=0.002, block_score=block_score, miss_policy=miss_policy,
                                    select_per=select_per, summary_tokens=summary_tokens,
-                                   layer_weights=layer_weights),
+                                   layer_weights=layer_weights, shortlist=shortlist),
                        cache=CacheConfig(kv_cache_gb=0.002), scheduler=SchedulerConfig(max_model_len=1024))
     engine = LLMEngine(cfg)
     g = torch.Generator().manual_seed(0)
@@ -55,10 +56,10 @@ RUN = textwrap.dedent('''
 
 
 def generate(tiny: str, lengths: str, forced: bool, block_score: str, miss_policy: str, select_per: str,
-             summary_tokens: int, layer_weights: str) -> dict:
+             summary_tokens: int, layer_weights: str, shortlist: float) -> dict:
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run([sys.executable, "-c", RUN, tiny, lengths, "1" if forced else "0", block_score,
-                           miss_policy, select_per, str(summary_tokens), layer_weights], env=env,
+                           miss_policy, select_per, str(summary_tokens), layer_weights, str(shortlist)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"exit {done.returncode} (-11: segfault, an out-of-bounds access)\n{done.stderr[-3000:]}"
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -67,20 +68,24 @@ def generate(tiny: str, lengths: str, forced: bool, block_score: str, miss_polic
 @pytest.mark.slow
 # layer weights 1=2: layer 0 selects 2 blocks and layer 1 5 (128 tokens over 2 layers at a weight of 3), so the
 # prediction group of both layers is planned in two launches
-@pytest.mark.parametrize("lengths, block_score, miss_policy, select_per, summary_tokens, layer_weights", [
-    ("300", "bound", "skip", "layer", 0, ""), ("300,90,200", "bound", "skip", "layer", 0, ""),
-    ("300,90,200", "bound", "fill", "layer", 0, "1=2"), ("300,90,200", "mass", "skip", "kv-head", 4, "")],
+# shortlist 2: the second pass over 8 listed blocks of a 4-block budget, in a working set of 9; x_t then picks among
+# the listed blocks it holds, so it misses none here (the cold requests' lists are fetched first)
+@pytest.mark.parametrize("lengths, block_score, miss_policy, select_per, summary_tokens, layer_weights, shortlist", [
+    ("300", "bound", "skip", "layer", 0, "", 0), ("300,90,200", "bound", "skip", "layer", 0, "", 0),
+    ("300,90,200", "bound", "fill", "layer", 0, "1=2", 0), ("300,90,200", "mass", "skip", "kv-head", 4, "", 0),
+    ("300,90,200", "bound", "skip", "layer", 0, "", 2)],
     ids=["one_request", "three_requests", "three_requests_fill_layer_weights",
-         "three_requests_mass_per_kv_head_4_token_summaries"])
+         "three_requests_mass_per_kv_head_4_token_summaries", "three_requests_shortlist"])
 def test_every_gpu_kernel_in_the_engine_gives_the_torch_tokens_and_counters(tmp_path, lengths, block_score,
                                                                           miss_policy, select_per, summary_tokens,
-                                                                          layer_weights):
+                                                                          layer_weights, shortlist):
     tiny = write_tiny_config(tmp_path / "tiny")
     run = dict(block_score=block_score, miss_policy=miss_policy, select_per=select_per, summary_tokens=summary_tokens,
-               layer_weights=layer_weights)
+               layer_weights=layer_weights, shortlist=shortlist)
     torch_path = generate(tiny, lengths, forced=False, **run)
     kernels = generate(tiny, lengths, forced=True, **run)
     assert kernels["tokens"] == torch_path["tokens"]
     assert {k: kernels["stats"][k] for k in COUNTERS} == {k: torch_path["stats"][k] for k in COUNTERS}
-    assert torch_path["stats"]["kv_prefetched_blocks"] > 0 and torch_path["stats"]["kv_misses"] > 0
+    assert torch_path["stats"]["kv_prefetched_blocks"] > 0 and torch_path["stats"]["kv_cold_fetched_blocks"] > 0
+    assert torch_path["stats"]["kv_misses"] > 0 or shortlist
     assert (torch_path["stats"]["kv_filled_blocks"] > 0) == (miss_policy == "fill")

@@ -1,6 +1,7 @@
-"""--shortlist F (quest): the block scores keep F x the budget, the listed blocks' exact attention mass in a softmax
-over their keys alone picks the budget. Against the transformers twin of scripts/selection_twin.py (teacher-forced
-rows); F = 1 is quest itself, a list of every block the oracle; clear errors where it cannot apply."""
+"""--shortlist F (quest, oasis): the block scores keep F x the budget, the listed blocks' exact attention mass in a
+softmax over their keys alone picks the budget. Against the transformers twin of scripts/selection_twin.py
+(teacher-forced rows); F = 1 is quest itself, a list of every block the oracle; oasis with a perfect draft at cap 1
+is quest with the same list; clear errors where it cannot apply."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +12,7 @@ from oasiskv.config import KVConfig
 from oasiskv.evals.harness import expand_variants
 from scripts import selection_twin as twin
 
-from tests.test_oasis import SPARSE, run
+from tests.test_oasis import SPARSE, run, run_with_perfect_draft
 from tests.test_per_kv_head import BUDGET, LONG, SCORED, engine_rows, tiny  # noqa: F401 (tiny: the fixture)
 
 
@@ -51,8 +52,8 @@ def test_a_budget_above_the_context_gives_dense():
 
 @pytest.mark.parametrize("changes, message", [
     (dict(shortlist=0.5), "0 \\(off\\) or at least 1"),
-    (dict(mode="oasis"), "applies to quest mode, not oasis"),
-    (dict(mode="oracle"), "applies to quest mode, not oracle"),
+    (dict(mode="retrieval"), "applies to quest and oasis, not retrieval"),
+    (dict(mode="oracle"), "applies to quest and oasis, not oracle"),
 ])
 def test_impossible_settings_are_clear_errors(changes, message):
     kv = KVConfig(**{"mode": "quest", "shortlist": 2.0, **changes})
@@ -62,15 +63,17 @@ def test_impossible_settings_are_clear_errors(changes, message):
 
 def test_other_modes_of_a_sweep_drop_it_and_layouts_that_need_one_pass_refuse_it():
     kv = KVConfig(mode="quest", shortlist=2.0)
-    assert kv.for_mode("oasis").shortlist == 0 and kv.for_mode("quest").shortlist == 2.0
+    assert kv.for_mode("retrieval").shortlist == 0 and kv.for_mode("oasis").shortlist == 2.0
+    assert kv.for_mode("oasis").working_set_blocks(30, 16) == 256  # the list of the 128-block budget
     assert kv.shortlist_blocks(128) == 256 and KVConfig(shortlist=1.5).shortlist_blocks(5) == 7
     with pytest.raises(ValueError, match="--shortlist are not supported with --tensor-parallel-size"):
         kv.require_layer_layout("--tensor-parallel-size > 1")
 
 
-def test_the_eval_sweeps_it_on_quest_rows_only():
-    rows = expand_variants(["quest", "oasis"], [2048], [0.05], None, shortlists=[0.0, 2.0])
-    assert [v.label for v in rows] == ["quest budget=2048", "quest+shortlist2 budget=2048", "oasis@0.05 budget=2048"]
+def test_the_eval_sweeps_it_on_quest_and_oasis_rows_only():
+    rows = expand_variants(["quest", "retrieval", "oasis"], [2048], [0.05], None, shortlists=[0.0, 2.0])
+    assert [v.label for v in rows] == ["quest budget=2048", "quest+shortlist2 budget=2048", "retrieval budget=2048",
+                                       "oasis@0.05 budget=2048", "oasis+shortlist2@0.05 budget=2048"]
 
 
 def test_the_triton_kernel_in_the_engine_gives_the_torch_paths_rows(tiny, monkeypatch):  # noqa: F811
@@ -84,3 +87,24 @@ def test_the_triton_kernel_in_the_engine_gives_the_torch_paths_rows(tiny, monkey
     kernel = engine_rows(path, windows, "quest", "bound", "layer", shortlist=2.0)
     for a, b in zip(kernel, torch_path):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def quest_listed():
+    return run(LLM(show_progress=False, kv_mode="quest", shortlist=2.0, **SPARSE), LONG)
+
+
+@pytest.mark.parametrize("miss_policy", ["skip", "fill"])
+def test_perfect_draft_with_full_cap_gives_quests_tokens_with_the_same_list(quest_listed, quest_tokens, miss_policy):
+    assert quest_listed != quest_tokens
+    llm = LLM(show_progress=False, kv_mode="oasis", fetch_cap=1.0, shortlist=2.0, miss_policy=miss_policy, **SPARSE)
+    assert llm.engine.policy.ws.width == 9  # the list of 8 blocks and the block a draft opens
+    oasis, stats = run_with_perfect_draft(llm, LONG, quest_listed)
+    assert oasis == quest_listed
+    assert stats["kv_prefetched_blocks"] > 0 and stats["kv_cold_fetched_blocks"] > 0
+
+
+def test_oasis_with_a_list_and_a_budget_above_the_context_gives_dense():
+    dense = run(LLM(show_progress=False, kv_mode="dense", kv_cache_gb=0.2), LONG)
+    roomy = dict(kv_budget=2048, kv_cache_gb=0.4, host_kv_gb=0.5, shortlist=2.0)
+    assert run(LLM(show_progress=False, kv_mode="oasis", **roomy), LONG) == dense

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from oasiskv.config import EngineConfig, KVConfig
+from oasiskv.config import SHORTLIST_MODES, EngineConfig, KVConfig
 from oasiskv.evals.haystack import Haystack
 from oasiskv.evals.tasks import SYNTHETIC, Settings, build_task
 
@@ -64,7 +64,7 @@ def expand_variants(modes: list[str], budgets: list[int], caps: list[float] | No
                     layer_weights: list[tuple] | None = None, shortlists: list[float] | None = None) -> list[Variant]:
     """Every non-dense mode at every budget; lookahead modes also at every cap, draft source and miss policy,
     the modes that score blocks at every block score and summary size, those that select at every
-    --select-per and --layer-weights, quest at every --shortlist."""
+    --select-per and --layer-weights, quest and oasis at every --shortlist."""
     out = []
     for mode in dict.fromkeys(modes):
         if mode == "dense":
@@ -73,7 +73,7 @@ def expand_variants(modes: list[str], budgets: list[int], caps: list[float] | No
         sizes = list(dict.fromkeys(summary_tokens or [None])) if mode in SCORING_MODES else [None]
         scopes = list(dict.fromkeys(select_per or [None])) if mode in SELECTING_MODES else [None]
         weightings = list(dict.fromkeys(layer_weights or [None])) if mode in SELECTING_MODES else [None]
-        factors = list(dict.fromkeys(shortlists or [None])) if mode == "quest" else [None]
+        factors = list(dict.fromkeys(shortlists or [None])) if mode in SHORTLIST_MODES else [None]
         for scope, size, score, weights, factor, budget in itertools.product(scopes, sizes, scores, weightings,
                                                                               factors, budgets):
             shared = dict(block_score=score, select_per=scope, summary_tokens=size, layer_weights=weights or None,

@@ -227,8 +227,9 @@ def plan_prefetch_reference(scores: torch.Tensor, prediction: torch.Tensor, cap:
                             slot_of=None, layer_of=None, rows=None) -> torch.Tensor:
     """The prefetch list of :func:`predict_prefetch` in torch: per row, the blocks of `prediction` that are
     not resident and whose score is neither NaN nor -inf, the `cap` best, as the kernel ranks them: higher
-    score first, the lower block id on a tie; listed first, -1 after. Residency: `resident` bool [R, N], or
-    `slot_of` read at [layer_of[r], rows[r]]."""
+    score first, the lower block id on a tie; listed in ascending block order as the kernel stores them (the
+    order places them in the working set's slots), -1 after. Residency: `resident` bool [R, N], or `slot_of`
+    read at [layer_of[r], rows[r]]."""
     _check_prediction(scores, prediction, cap)
     _residency(len(scores), scores.device, resident, slot_of, layer_of, rows)
     ids = prediction.clamp(min=0).long()
@@ -240,7 +241,9 @@ def plan_prefetch_reference(scores: torch.Tensor, prediction: torch.Tensor, cap:
     ranked = key.gather(1, by_id).sort(dim=1, descending=True, stable=True)
     width = min(cap, key.shape[1])
     best = by_id.gather(1, ranked.indices[:, :width])
-    return torch.where(ranked.values[:, :width] > float("-inf"), prediction.gather(1, best), -1)
+    last = torch.iinfo(torch.int32).max
+    listed = torch.where(ranked.values[:, :width] > float("-inf"), prediction.gather(1, best), last).sort(dim=1).values
+    return torch.where(listed == last, -1, listed)
 
 
 # ---------------------------------------------------------------------------------------- both at once

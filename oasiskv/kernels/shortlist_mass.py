@@ -6,7 +6,7 @@ Block summaries rank blocks by an estimate; the exact attention mass ranks them 
 a few times the budget, and only those blocks' keys are read.
 
 For decode row b, query head h and listed column w (logical block listed[b, w], -1 = none; its physical block
-tables[b, listed[b, w]]):
+tables[b, listed[b, w]], -1 = not on the GPU, as in a working set's table: no keys):
   block_lse[b, h, w] = log sum_t exp(scale * q[b, h] . k_t)  over the block's keys t < seq_lens[b]
   (-inf where nothing is listed). The kernel writes these, one program per (row, KV head, column), each reading
   its block's keys once for the KV head's group of query heads. listed_mass() turns them into each block's
@@ -32,7 +32,8 @@ def _block_lse_kernel(q_ptr, kv_ptr, tables_ptr, listed_ptr, lens_ptr, out_ptr, 
     logical = tl.load(listed_ptr + b * s_lb + w)
     physical = tl.load(tables_ptr + b * s_tb + tl.maximum(logical, 0)).to(tl.int64)
     positions = logical * BLOCK + t
-    valid = (positions >= 0) & (positions < tl.load(lens_ptr + b))  # logical -1: every position below 0
+    on_gpu = (tl.zeros_like(t) + physical) >= 0  # a tensor: the interpreter takes no scalar in a mask
+    valid = (positions >= 0) & (positions < tl.load(lens_ptr + b)) & on_gpu  # logical -1: positions < 0
     q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + d[None, :], mask=(g[:, None] < GROUP) & (d[None, :] < D),
                 other=0.0).to(tl.float32)
     k = tl.load(kv_ptr + physical * s_kvb + t[:, None] * s_kvt + h * s_kvh + d[None, :],  # K: index 0 of dim 1
@@ -73,10 +74,10 @@ def shortlist_block_lse_reference(q: torch.Tensor, kv_layer: torch.Tensor, table
     bsz, hq, d = q.shape
     _, _, block, hkv, _ = kv_layer.shape
     physical = tables.long().gather(1, listed.long().clamp(min=0))  # [B, W]
-    keys = kv_layer[physical, 0].float()  # [B, W, block, Hkv, D]
+    keys = kv_layer[physical.clamp(min=0), 0].float()  # [B, W, block, Hkv, D]
     logits = torch.einsum("bhgd,bwthd->bhgwt", q.float().view(bsz, hkv, hq // hkv, d), keys) * scale
     positions = listed.long()[:, :, None] * block + torch.arange(block, device=q.device)
-    valid = (listed[:, :, None] >= 0) & (positions < seq_lens.long()[:, None, None])  # [B, W, block]
+    valid = (listed[:, :, None] >= 0) & (positions < seq_lens.long()[:, None, None]) & (physical[:, :, None] >= 0)
     logits = logits.masked_fill(~valid[:, None, None], float("-inf"))
     return torch.logsumexp(logits, -1).reshape(bsz, hq, listed.shape[1])
 

@@ -325,7 +325,10 @@ class OasisPolicy(TieredPolicy):
         else:
             with self.timer("select"):
                 scores, draft_scores = self.score_now_and_draft(layer, q)
-                _, selection = self.select_by(scores, self.layer_budget_blocks[layer])
+                budget = self.layer_budget_blocks[layer]
+                ranked = self.rank_resident_list(layer, q[:self.meta.num_decode], scores, budget) \
+                    if self.cfg.shortlist else scores
+                _, selection = self.select_by(ranked, budget)
             judged = self.fresh
         check = resident_selection if self.cuda else resident_selection_reference  # + selected/hit/miss/agreement
         opened = self.rows_now.opened
@@ -343,6 +346,23 @@ class OasisPolicy(TieredPolicy):
         self.count("miss_fetched_blocks", fetched & ~self.cold[:, None])
         attended = torch.cat([torch.where((resident >= 0) | fetched, selection, -1), opened[:, None]], 1)
         return attended, selection, scores, draft_scores
+
+    def rank_resident_list(self, layer, q, scores, budget: int) -> torch.Tensor:
+        """--shortlist: x_t's list (its scores' best shortlist x budget blocks; the prediction was the draft's list),
+        its blocks not on the GPU fetched first where this step fetches misses (cold rows; every row under "fetch"),
+        then ranked by the exact mass of its resident blocks: listed blocks still not resident rank after those
+        (as misses), blocks off the list never. With the whole list resident this is quest's second pass."""
+        width = scores.shape[1]
+        _, listed = self.select_by(scores, self.cfg.shortlist_blocks(budget), count=False)
+        if self.fetches(dense=False):
+            rows = torch.ones_like(self.cold) if self.cfg.miss_policy == "fetch" else self.cold
+            resident = self.ws.table(layer, self.rows, width).gather(1, listed.long().clamp(min=0)) >= 0
+            with self.timer("gather"):
+                fetched, _ = self.fetch(layer, torch.where((listed >= 0) & ~resident & rows[:, None], listed, -1),
+                                        self.mask_of(listed))
+            self.count("cold_fetched_blocks", fetched & self.cold[:, None])
+            self.count("miss_fetched_blocks", fetched & ~self.cold[:, None])
+        return self.rank_the_list(layer, q, listed, self.ws.table(layer, self.rows, width), width)
 
     def score_now_and_draft(self, layer, q) -> tuple[torch.Tensor, torch.Tensor]:
         """x_t's block scores fp32 [B, W] (W: the decode block tables' width) and the draft's [B, W + 1]
@@ -453,7 +473,9 @@ class OasisPolicy(TieredPolicy):
         for budget, run in itertools.groupby(layers, key=self.layer_budget_blocks.__getitem__):
             n = len(list(run))
             part = slice(start * b, (start + n) * b)
-            _, p, f = plan(scores[part], nblocks.repeat(n), budget, self.cfg.sink_blocks, self.cfg.local_blocks,
+            # with --shortlist the prediction is the draft's list
+            _, p, f = plan(scores[part], nblocks.repeat(n), self.cfg.shortlist_blocks(budget), self.cfg.sink_blocks,
+                           self.cfg.local_blocks,
                            self.fetch_cap_blocks, self.ws.max_blocks + 1, slot_of=self.ws.slot_of,
                            layer_of=layer_of[part], rows=rows[part])
             predicted.append(p)

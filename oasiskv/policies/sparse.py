@@ -141,6 +141,17 @@ class SparsePolicy(KVPolicy):
         """This rank's block scores -> the whole model's (tensor parallelism: one collective); else as is."""
         return scores if self.combine_scores is None else self.combine_scores(scores)
 
+    def rank_the_list(self, layer: int, q: torch.Tensor, listed: torch.Tensor, tables: torch.Tensor,
+                      width: int) -> torch.Tensor:
+        """--shortlist: the exact attention mass the decode queries `q` pay each listed block (int32 [B, W], -1 =
+        none), in a softmax over the listed keys alone, at the blocks' logical ids in rows of `width` (-inf off the
+        list). `tables`: where the keys are in the pool, -1 for a block not on the GPU (it gets no mass)."""
+        lse = shortlist_block_lse if self.cuda else shortlist_block_lse_reference
+        kv_layer = self.pool.layer(layer)
+        mass = listed_mass(lse(q, kv_layer, tables, listed, self.meta.decode_seq_lens, self.scale),
+                           kv_heads=kv_layer.shape[3])
+        return on_the_list(self.combined(mass), listed, width)
+
     def is_dense_layer(self, layer: int) -> bool:
         return layer < self.cfg.dense_layers or self.num_decode_blocks <= self.layer_budget_blocks[layer]
 
@@ -186,11 +197,7 @@ class QuestPolicy(SparsePolicy):
         budget = self.layer_budget_blocks[layer]
         scores = self.score_blocks(layer, q, score_tables, self.rows_now.nblocks)
         _, listed = self.select_by(scores, self.cfg.shortlist_blocks(budget), count=False)
-        lse = shortlist_block_lse if self.cuda else shortlist_block_lse_reference
-        kv_layer = self.pool.layer(layer)
-        mass = listed_mass(lse(q, kv_layer, score_tables, listed, self.meta.decode_seq_lens, self.scale),
-                           kv_heads=kv_layer.shape[3])
-        return self.select_by(on_the_list(self.combined(mass), listed, scores.shape[1]), budget)
+        return self.select_by(self.rank_the_list(layer, q, listed, score_tables, scores.shape[1]), budget)
 
     def decode(self, layer, q, kv_layer):
         meta = self.meta
