@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from scripts.gpu_graph_check import engine_for, prompts_for
-from oasiskv.config import SamplingParams
+from oasiskv.config import SHORTLIST_MODES, SamplingParams
 
 
 def main() -> None:
@@ -43,11 +43,14 @@ def main() -> None:
     p.add_argument("--miss-policy", default=None, help="oasis's --miss-policy (default: the engine's)")
     p.add_argument("--summary-tokens", type=int, default=None, help="the selecting modes' --summary-tokens")
     p.add_argument("--select-per", default="layer", help="the selecting modes' --select-per: layer or kv-head")
+    p.add_argument("--shortlist", type=float, default=0.0, help="quest's and oasis's --shortlist (0: none)")
     args = p.parse_args()
     prompts = prompts_for(args.batch, args.context, stride=args.stride)
     for mode in args.modes.split(","):
         tokens = args.batch + args.warmup_steps + args.steps + 8  # none finishes before the profile ends
         finer = {} if mode == "dense" else {"summary_tokens": args.summary_tokens, "select_per": args.select_per}
+        if mode in SHORTLIST_MODES:
+            finer["shortlist"] = args.shortlist
         engine = engine_for(args, mode, not args.graphs, "bfloat16", args.context + args.batch * args.stride, tokens,
                             **finer)
         for prompt in prompts:
