@@ -63,10 +63,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "named), e.g. 7=2.5,18=2.5 gives layers 7 and 18 2.5 times the others' budget, each rounded "
                         "down to whole blocks; retrieval and oasis keep working sets of the largest budget")
     k.add_argument("--shortlist", type=float, default=KV_DEFAULTS.shortlist, metavar="F",
-                   help="quest, oasis: a second pass (0: none). The block scores keep F times the budget, and "
-                        "the exact attention mass of those blocks, in a softmax over their keys alone, picks the "
-                        "budget; reads the listed keys once more a step (oasis: prefetches the draft's list and keeps "
-                        "working sets of its size)")
+                   help="quest, retrieval, oasis: a second pass (0: none). The block scores keep F times the "
+                        "budget, and the exact attention mass of those blocks, in a softmax over their keys alone, "
+                        "picks the budget; reads the listed keys once more a step (retrieval fetches the list; oasis "
+                        "prefetches the draft's list; both keep working sets of its size)")
     k.add_argument("--working-set", type=int, default=KV_DEFAULTS.working_set,
                    help="retrieval/oasis: KV tokens per request per layer kept on the GPU (default: --kv-budget); "
                         "more keeps recently used blocks resident, so fewer selected blocks miss")

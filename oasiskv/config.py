@@ -97,8 +97,9 @@ BLOCK_SCORES = ("bound", "mass")
 # what one selection serves: every KV head of a layer (the blocks scored by all heads), or each KV head on its own
 # (its own blocks, its own budget; policies/per_kv_head.py)
 SELECT_PER = ("layer", "kv-head")
-# the modes with a second pass over a shortlist (--shortlist): oasis ranks the listed blocks it holds on the GPU
-SHORTLIST_MODES = ("quest", "oasis")
+# the modes with a second pass over a shortlist (--shortlist): retrieval fetches the list, oasis ranks the listed
+# blocks it holds on the GPU
+SHORTLIST_MODES = ("quest", "retrieval", "oasis")
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ class KVConfig:
     # not named); layers differ in what a selection loses (docs/ACCURACY.md, "Budgets per layer"). Retrieval and
     # oasis size every layer's working set for the largest budget
     layer_weights: tuple[tuple[int, float], ...] = ()
-    # quest, oasis: a second pass (0 = none). The block scores keep shortlist x the budget; the listed blocks' exact
+    # quest, retrieval, oasis: a second pass (0 = none). The block scores keep shortlist x the budget; the listed blocks' exact
     # attention mass, in a softmax over their keys alone, picks the budget (kernels/shortlist_mass.py): reads their keys
     # again. Oasis predicts the draft's list and keeps working sets of the list's size
     shortlist: float = 0.0
@@ -180,8 +181,8 @@ class KVConfig:
         if self.shortlist < 1:
             raise ValueError(f"--shortlist must be 0 (off) or at least 1 (times the budget), got {self.shortlist:g}")
         if self.mode not in SHORTLIST_MODES:
-            raise ValueError(f"--shortlist applies to quest and oasis, not {self.mode} (oracle ranks every block "
-                             "exactly already; retrieval's fetch of the list first is not built)")
+            raise ValueError(f"--shortlist applies to quest, retrieval and oasis, not {self.mode} (oracle ranks "
+                             "every block exactly already)")
 
     def shortlist_blocks(self, budget_blocks: int) -> int:
         """Blocks the first pass keeps for a layer budget of `budget_blocks`."""
@@ -232,7 +233,7 @@ class KVConfig:
     def for_mode(self, mode: str, **changes) -> "KVConfig":
         """This configuration for another mode (bench and eval run several from one set of flags):
         --working-set stays with the host modes and is dropped for those that hold everything on the GPU; --shortlist
-        stays with quest and oasis."""
+        stays with the modes that take it."""
         kv = dataclasses.replace(self, mode=mode, **changes)
         if mode == "dense":  # dense selects nothing: a sweep's --select-per leaves it as it is
             kv = dataclasses.replace(kv, select_per="layer", summary_tokens=None, layer_weights=())

@@ -1,7 +1,7 @@
-"""--shortlist F (quest, oasis): the block scores keep F x the budget, the listed blocks' exact attention mass in a
-softmax over their keys alone picks the budget. Against the transformers twin of scripts/selection_twin.py
+"""--shortlist F (quest, retrieval, oasis): the block scores keep F x the budget, the listed blocks' exact attention
+mass in a softmax over their keys alone picks the budget. Against the transformers twin of scripts/selection_twin.py
 (teacher-forced rows); F = 1 is quest itself, a list of every block the oracle; oasis with a perfect draft at cap 1
-is quest with the same list; clear errors where it cannot apply."""
+and retrieval are quest with the same list; clear errors where it cannot apply."""
 from __future__ import annotations
 
 import pytest
@@ -52,8 +52,7 @@ def test_a_budget_above_the_context_gives_dense():
 
 @pytest.mark.parametrize("changes, message", [
     (dict(shortlist=0.5), "0 \\(off\\) or at least 1"),
-    (dict(mode="retrieval"), "applies to quest and oasis, not retrieval"),
-    (dict(mode="oracle"), "applies to quest and oasis, not oracle"),
+    (dict(mode="oracle"), "applies to quest, retrieval and oasis, not oracle"),
 ])
 def test_impossible_settings_are_clear_errors(changes, message):
     kv = KVConfig(**{"mode": "quest", "shortlist": 2.0, **changes})
@@ -63,16 +62,16 @@ def test_impossible_settings_are_clear_errors(changes, message):
 
 def test_other_modes_of_a_sweep_drop_it_and_layouts_that_need_one_pass_refuse_it():
     kv = KVConfig(mode="quest", shortlist=2.0)
-    assert kv.for_mode("retrieval").shortlist == 0 and kv.for_mode("oasis").shortlist == 2.0
+    assert kv.for_mode("oracle").shortlist == 0 and kv.for_mode("oasis").shortlist == 2.0
     assert kv.for_mode("oasis").working_set_blocks(30, 16) == 256  # the list of the 128-block budget
     assert kv.shortlist_blocks(128) == 256 and KVConfig(shortlist=1.5).shortlist_blocks(5) == 7
     with pytest.raises(ValueError, match="--shortlist are not supported with --tensor-parallel-size"):
         kv.require_layer_layout("--tensor-parallel-size > 1")
 
 
-def test_the_eval_sweeps_it_on_quest_and_oasis_rows_only():
-    rows = expand_variants(["quest", "retrieval", "oasis"], [2048], [0.05], None, shortlists=[0.0, 2.0])
-    assert [v.label for v in rows] == ["quest budget=2048", "quest+shortlist2 budget=2048", "retrieval budget=2048",
+def test_the_eval_sweeps_it_on_the_rows_of_modes_that_take_it():
+    rows = expand_variants(["quest", "oracle", "oasis"], [2048], [0.05], None, shortlists=[0.0, 2.0])
+    assert [v.label for v in rows] == ["quest budget=2048", "quest+shortlist2 budget=2048", "oracle budget=2048",
                                        "oasis@0.05 budget=2048", "oasis+shortlist2@0.05 budget=2048"]
 
 
@@ -108,3 +107,11 @@ def test_oasis_with_a_list_and_a_budget_above_the_context_gives_dense():
     dense = run(LLM(show_progress=False, kv_mode="dense", kv_cache_gb=0.2), LONG)
     roomy = dict(kv_budget=2048, kv_cache_gb=0.4, host_kv_gb=0.5, shortlist=2.0)
     assert run(LLM(show_progress=False, kv_mode="oasis", **roomy), LONG) == dense
+
+
+def test_retrieval_fetches_the_list_and_gives_quests_tokens_with_the_same_list(quest_listed):
+    llm = LLM(show_progress=False, kv_mode="retrieval", shortlist=2.0, **SPARSE)
+    assert run(llm, LONG) == quest_listed
+    assert llm.engine.policy.ws.width == 8
+    stats = llm.engine.stats_dict()
+    assert stats["kv_misses"] > 0 and stats["kv_selected_blocks"] > 0  # the list's blocks, fetched when missing

@@ -59,8 +59,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "separated by spaces, none for one budget in every layer: none 7=2.5,18=2.5; a weighted row "
                         "names its weights (quest+layers(7=2.5,18=2.5))")
     g.add_argument("--shortlist", type=csv(float), default=None,
-                   help="the second pass of quest and oasis, a sweep of factors of the budget, 0 for none: 0,2; "
-                        "a row with one names it (quest+shortlist2)")
+                   help="the second pass of quest, retrieval and oasis, a sweep of factors of the budget, 0 for "
+                        "none: 0,2; a row with one names it (quest+shortlist2)")
     g.add_argument("--tasks", type=csv(str), default=list(ALL_TASKS), help=f"subset of {','.join(ALL_TASKS)}")
     g.add_argument("--corpus", default="austen", choices=CORPORA, help="haystack and perplexity text")
     g.add_argument("--cache-dir", default=None, help="where fetched texts live (default ~/.cache/oasiskv/evals)")
@@ -94,7 +94,7 @@ def base_config(args: argparse.Namespace):
         values = getattr(args, name)
         scalar[name] = values[0] if values else getattr(defaults, name, None)
     scalar["layer_weights"] = ()  # the weighted rows carry their own; the base serves modes that take none
-    scalar["shortlist"] = 0.0  # likewise: only quest and oasis rows take one
+    scalar["shortlist"] = 0.0  # likewise: only the modes that take one
     return engine_config(argparse.Namespace(**scalar))
 
 

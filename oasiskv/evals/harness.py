@@ -64,7 +64,7 @@ def expand_variants(modes: list[str], budgets: list[int], caps: list[float] | No
                     layer_weights: list[tuple] | None = None, shortlists: list[float] | None = None) -> list[Variant]:
     """Every non-dense mode at every budget; lookahead modes also at every cap, draft source and miss policy,
     the modes that score blocks at every block score and summary size, those that select at every
-    --select-per and --layer-weights, quest and oasis at every --shortlist."""
+    --select-per and --layer-weights, quest, retrieval and oasis at every --shortlist."""
     out = []
     for mode in dict.fromkeys(modes):
         if mode == "dense":

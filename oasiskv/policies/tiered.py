@@ -298,6 +298,14 @@ class TieredPolicy(SparsePolicy):
         return TieredRows(**vars(rows), full=full, spill_dst=torch.where(full, rows.tail_block, -1).to(torch.int32),
                           layer_rows=self.layer_range[:, None].expand(-1, len(full)).contiguous())
 
+    def selection_or_list(self, layer, q) -> torch.Tensor:
+        """The blocks to make resident: the selection, or with --shortlist the list (its best shortlist x budget
+        blocks by score; its counters then count the list)."""
+        if not self.cfg.shortlist:
+            return self.select(layer, q, self.meta.decode_block_tables)[1]
+        scores = self.score_blocks(layer, q, self.meta.decode_block_tables, self.rows_now.nblocks)
+        return self.select_by(scores, self.cfg.shortlist_blocks(self.layer_budget_blocks[layer]))[1]
+
     def spill_full_tails(self, layer, tail_slots, dst=None) -> None:
         """A tail block that just filled is written once to the host store; it stays resident. On the
         GPU the copy runs on the copy stream, which later fetches of the same block follow in order.
@@ -347,18 +355,23 @@ class RetrievalPolicy(TieredPolicy):
         q, k, v = q[:nd], k[:nd], v[:nd]
         self.wait_for_copies()  # tail spills of the previous layer/step precede any re-fetch
         tail_slots = self.write_tail(layer, k, v)
+        width = self.meta.decode_block_tables.shape[1]
         if self.is_dense_layer(layer):
             wanted, selection = self.rows_now.every_block, None
         else:
             with self.timer("select"):
-                _, wanted = self.select(layer, q, self.meta.decode_block_tables)
+                wanted = self.selection_or_list(layer, q)
             selection = wanted
         with self.timer("gather"):
             miss, _ = self.fetch(layer, wanted, self.mask_of(wanted))
         self.count("selected_blocks", wanted >= 0)
         self.count("misses", miss)
         self.count("hits", (wanted >= 0) & ~miss)
-        tables = self.ws.table(layer, self.rows, self.meta.decode_block_tables.shape[1])
+        tables = self.ws.table(layer, self.rows, width)
+        if self.cfg.shortlist and selection is not None:  # the list is resident: its exact mass picks the budget
+            with self.timer("select"):
+                ranked = self.rank_the_list(layer, q, wanted, tables, width)
+                _, selection = self.select_by(ranked, self.layer_budget_blocks[layer])
         with self.timer("attention"):
             out[:nd] = self.attention(q, self.pool.layer(layer), tables, selection)
         self.spill_full_tails(layer, tail_slots)
