@@ -115,3 +115,13 @@ def test_retrieval_fetches_the_list_and_gives_quests_tokens_with_the_same_list(q
     assert llm.engine.policy.ws.width == 8
     stats = llm.engine.stats_dict()
     assert stats["kv_misses"] > 0 and stats["kv_selected_blocks"] > 0  # the list's blocks, fetched when missing
+
+
+def test_per_kv_head_with_layer_weights_a_perfect_draft_gives_quests_tokens_with_the_same_lists():
+    """The finer settings together: a list per KV head, each of its layer's weighted budget."""
+    finer = dict(shortlist=2.0, select_per="kv-head", layer_weights=((7, 2.0),), **SPARSE)
+    quest = run(LLM(show_progress=False, kv_mode="quest", **finer), LONG)
+    llm = LLM(show_progress=False, kv_mode="oasis", fetch_cap=1.0, miss_policy="fill", **finer)
+    oasis, stats = run_with_perfect_draft(llm, LONG, quest)
+    assert oasis == quest
+    assert stats["kv_prefetched_blocks"] > 0
