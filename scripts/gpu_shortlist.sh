@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# What --shortlist costs and buys on one H200, in two device calls (written in the twenty-sixth session, not yet run).
+# What --shortlist costs and buys on one H200, in three device calls (written in the twenty-sixth session, not yet run).
 #
 #   scripts/gpu_shortlist.sh cost OUTDIR   qwen3-8b dummy, 16K in, 512 out: dense, quest and oasis with a list of 2x
 #                                          (quest and oasis take it; dense runs as the anchor), then oasis with 3x;
 #                                          the shortlist kernel's own time a layer in the kernel profile
 #   scripts/gpu_shortlist.sh eval OUTDIR   SmolLM2 at the issue's sizes (bf16, every task, 20 samples a task): quest and
-#                                          oasis without and with lists of 2x and 3x, the default selection; then the
-#                                          finer selection (mass, per KV head, 4-token summaries) with 2x. Needs the
-#                                          GGUF at /root/models (../shared/device/stage-smollm2.sh) and
-#                                          OASISKV_EVAL_CACHE=.carry/eval-cache
+#                                          oasis with mass scores over whole blocks, without and with lists of 2x and 3x
+#                                          (in the twin, 3x answered niah_single as the oracle does)
+#   scripts/gpu_shortlist.sh eval-finer OUTDIR   the same with the finer selection (per KV head, 4-token summaries)
+#                                          and a list of 2x
+#   The evals need the GGUF at /root/models (../shared/device/stage-smollm2.sh) and OASISKV_EVAL_CACHE=.carry/eval-cache.
 set -u -o pipefail
-WHAT=${1:?usage: scripts/gpu_shortlist.sh cost|eval OUTDIR}
-OUT=${2:?usage: scripts/gpu_shortlist.sh cost|eval OUTDIR}
+WHAT=${1:?usage: scripts/gpu_shortlist.sh cost|eval|eval-finer OUTDIR}
+OUT=${2:?usage: scripts/gpu_shortlist.sh cost|eval|eval-finer OUTDIR}
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 PY=${PY:-python3}
@@ -24,14 +25,15 @@ if [ "$WHAT" = cost ]; then
   $B --modes oasis --shortlist 3 --json "$OUT/shortlist3_512.json" 2>&1 | quiet | tee "$OUT/shortlist3_512.log" | tail -6
   $PY scripts/gpu_kernel_profile.py --modes quest,oasis --batch 43 --host-gb 100 --graphs --shortlist 2 \
     2>&1 | tee "$OUT/profile_shortlist2.log" | grep -E "=====|_block_lse_kernel|span of" | head -12
-elif [ "$WHAT" = eval ]; then
+else
   E="$PY -m oasiskv.cli eval --model /root/models/SmolLM2-135M-Instruct.Q4_1.gguf --cache-dir .carry/eval-cache \
      --corpus austen --context 8192 --max-num-batched-tokens 16384 --kv-budget 2048 --windows 8 --scored 32 \
      --gen-tokens 32 --samples 20 --batch 50 --fetch-cap 0.05 --draft target --miss-policy fill"
-  $E --modes dense,quest,oasis --shortlist 0,2,3 --json "$OUT/bf16_shortlist.json" 2>&1 | quiet \
-    | tee "$OUT/bf16_shortlist.log" | tail -60
-  $E --modes dense,quest,oasis --shortlist 2 --block-score mass --select-per kv-head --summary-tokens 4 \
-    --json "$OUT/bf16_shortlist_finer.json" 2>&1 | quiet | tee "$OUT/bf16_shortlist_finer.log" | tail -40
-else
-  echo "usage: scripts/gpu_shortlist.sh cost|eval OUTDIR" >&2; exit 2
+  case "$WHAT" in
+    eval) $E --modes dense,quest,oasis --block-score mass --shortlist 0,2,3 --json "$OUT/bf16_shortlist.json" 2>&1 \
+            | quiet | tee "$OUT/bf16_shortlist.log" | tail -60 ;;
+    eval-finer) $E --modes dense,quest,oasis --shortlist 2 --block-score mass --select-per kv-head --summary-tokens 4 \
+            --json "$OUT/bf16_shortlist_finer.json" 2>&1 | quiet | tee "$OUT/bf16_shortlist_finer.log" | tail -40 ;;
+    *) echo "usage: scripts/gpu_shortlist.sh cost|eval|eval-finer OUTDIR" >&2; exit 2 ;;
+  esac
 fi
