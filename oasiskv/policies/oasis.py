@@ -34,6 +34,7 @@ from oasiskv.kernels.residency import COUNTERS as RESIDENCY_COUNTERS
 from oasiskv.kernels.residency import resident_selection, resident_selection_reference
 from oasiskv.kernels.paged_decode import paged_decode_attention, paged_decode_reference
 from oasiskv.kernels.sparse_decode import sparse_decode_attention_padded, sparse_decode_padded_reference
+from oasiskv.policies.lookahead_stats import lookahead_stats
 from oasiskv.policies.tail_graph import PredictInputs, Tail, TailBuffers
 from oasiskv.policies.timers import EventClock
 from oasiskv.policies.tiered import TieredPolicy, TieredRows
@@ -488,29 +489,4 @@ class OasisPolicy(TieredPolicy):
 
     # -- statistics -----------------------------------------------------------------------------------
     def stats(self) -> dict:
-        out = super().stats()
-        chunk = self.host.chunk_bytes
-        hits, total = self.counter_index["agree_hits"], self.counter_index["agree_total"]
-        agreement = self.layer_counts[0][:, [hits, total]].tolist()
-        out["kv_agreement"] = ratio(out["kv_agree_hits"], out["kv_agree_total"])
-        out["kv_agreement_per_layer"] = [ratio(h, t) for h, t in agreement]
-        out["kv_hit_rate"] = ratio(out["kv_hits"], out["kv_selected_blocks"])
-        out["kv_fill_rate"] = ratio(out["kv_filled_blocks"], out["kv_misses"])  # --miss-policy fill: misses replaced
-        out["kv_prefetch_bytes"] = out["kv_prefetched_blocks"] * chunk
-        out["kv_prefetch_bytes_per_step"] = out["kv_prefetch_bytes"] / max(self.decode_steps, 1)
-        out["kv_fetch_cap_blocks"] = self.fetch_cap_blocks
-        out["kv_max_prefetched_blocks"] = int(self.most_prefetched.max())
-        if self.clock:
-            torch.cuda.synchronize()
-            self.clock.collect()
-            for name, seconds in self.clock.totals.items():
-                out[f"kv_time_{name}_s"] = round(seconds, 6)
-        else:  # synchronous on the CPU: every prefetch is on the critical path
-            out["kv_time_prefetch_exposed_s"] = out.get("kv_time_prefetch_s", 0.0)
-        out["kv_time_prefetch_hidden_s"] = round(out.get("kv_time_prefetch_s", 0.0)
-                                                 - out.get("kv_time_prefetch_exposed_s", 0.0), 6)
-        return out
-
-
-def ratio(a: int, b: int) -> float | None:
-    return round(a / b, 6) if b else None
+        return lookahead_stats(self, super().stats())
