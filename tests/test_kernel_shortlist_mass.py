@@ -50,7 +50,8 @@ def brute_force(q, pool, tables, listed, lens, scale):
     return out
 
 
-SHAPES = [(3, 4, 2, 8, 5), (2, 6, 3, 8, 7), (4, 2, 2, 16, 3), (1, 8, 1, 12, 4)]  # batch, Hq, Hkv, D, width
+SHAPES = [(3, 4, 2, 8, 5), (2, 6, 3, 8, 7), (4, 2, 2, 16, 3), (1, 8, 1, 12, 4), (2, 4, 2, 8, 12)]  # batch, Hq,
+# Hkv, D, width (12: two chunks of 8 columns, the second partly past the list's end)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -62,6 +63,17 @@ def test_block_lse_equals_brute_force(lse, shape):
     assert torch.equal(torch.isinf(got.cpu()), torch.isinf(expect))
     finite = torch.isfinite(expect)
     torch.testing.assert_close(got.cpu()[finite].double(), expect[finite], atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cols", [1, 2, 4])
+def test_block_lse_is_the_same_for_any_chunk_of_columns(cols):
+    """Each program scores `cols` listed blocks in one key tile; the split must not change a column's value."""
+    case = random_case(2, 6, 3, 8, 7, seed=3)
+    expect = shortlist_block_lse_reference(*case, 0.3)
+    got = shortlist_block_lse(*case, 0.3, cols=cols)
+    assert torch.equal(torch.isinf(got), torch.isinf(expect))
+    finite = torch.isfinite(expect)
+    torch.testing.assert_close(got[finite], expect[finite], atol=1e-4, rtol=1e-5)
 
 
 def test_block_lse_in_fp16_follows_fp32():
@@ -102,6 +114,8 @@ def test_rejects_bad_arguments():
         shortlist_block_lse(q[:, :3], pool, tables, listed, lens, 1.0)
     with pytest.raises(ValueError, match="listed must be int32"):
         shortlist_block_lse(q, pool, tables, listed.long(), lens, 1.0)
+    with pytest.raises(ValueError, match="cols must be a power of two"):
+        shortlist_block_lse(q, pool, tables, listed, lens, 1.0, cols=3)
     with pytest.raises(ValueError, match="seq_lens must be int32"):
         shortlist_block_lse_reference(q, pool, tables, listed, lens[:1], 1.0)
 

@@ -8,8 +8,10 @@ a few times the budget, and only those blocks' keys are read.
 For decode row b, query head h and listed column w (logical block listed[b, w], -1 = none; its physical block
 tables[b, listed[b, w]], -1 = not on the GPU, as in a working set's table: no keys):
   block_lse[b, h, w] = log sum_t exp(scale * q[b, h] . k_t)  over the block's keys t < seq_lens[b]
-  (-inf where nothing is listed). The kernel writes these, one program per (row, KV head, column), each reading
-  its block's keys once for the KV head's group of query heads. listed_mass() turns them into each block's
+  (-inf where nothing is listed). The kernel writes these, one program per (row, KV head, chunk of COLS listed
+  columns): it gathers the chunk's keys into one tile (each tile row finds its own physical block) and scores the
+  KV head's group of query heads against it in one tl.dot, so each key is read once and the tensor cores do the
+  products. listed_mass() turns them into each block's
   score: per head exp(block_lse - logsumexp over the row's columns), the best head of each KV group, summed over
   the groups (as quest and the oracle combine heads). The torch twin runs on the CPU; the tests check both
   against a float64 brute force."""
@@ -24,33 +26,38 @@ __all__ = ["listed_mass", "shortlist_block_lse", "shortlist_block_lse_reference"
 
 @triton.jit
 def _block_lse_kernel(q_ptr, kv_ptr, tables_ptr, listed_ptr, lens_ptr, out_ptr, scale,
-                      s_qb, s_qh, s_kvb, s_kvt, s_kvh, s_tb, s_lb, s_ob, s_oh, GROUP, D,
-                      BLOCK: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr):
-    b, h, w = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    g, t, d = tl.arange(0, G_PAD), tl.arange(0, BLOCK), tl.arange(0, D_PAD)
+                      s_qb, s_qh, s_kvb, s_kvt, s_kvh, s_tb, s_lb, s_ob, s_oh, GROUP, D, WIDTH,
+                      BLOCK: tl.constexpr, COLS: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
+    b, h, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    g, d = tl.arange(0, G_PAD), tl.arange(0, D_PAD)
+    r = tl.arange(0, COLS * BLOCK)  # the key tile's rows: listed column chunk * COLS + r // BLOCK, token r % BLOCK
+    col = chunk * COLS + r // BLOCK
+    logical = tl.load(listed_ptr + b * s_lb + col, mask=col < WIDTH, other=-1)
+    physical = tl.load(tables_ptr + b * s_tb + tl.maximum(logical, 0), mask=logical >= 0, other=-1).to(tl.int64)
+    positions = logical * BLOCK + r % BLOCK
+    valid = (logical >= 0) & (physical >= 0) & (positions < tl.load(lens_ptr + b))
     heads = h * GROUP + g
-    logical = tl.load(listed_ptr + b * s_lb + w)
-    physical = tl.load(tables_ptr + b * s_tb + tl.maximum(logical, 0)).to(tl.int64)
-    positions = logical * BLOCK + t
-    on_gpu = (tl.zeros_like(t) + physical) >= 0  # a tensor: the interpreter takes no scalar in a mask
-    valid = (positions >= 0) & (positions < tl.load(lens_ptr + b)) & on_gpu  # logical -1: positions < 0
     q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + d[None, :], mask=(g[:, None] < GROUP) & (d[None, :] < D),
-                other=0.0).to(tl.float32)
-    k = tl.load(kv_ptr + physical * s_kvb + t[:, None] * s_kvt + h * s_kvh + d[None, :],  # K: index 0 of dim 1
-                mask=valid[:, None] & (d[None, :] < D), other=0.0).to(tl.float32)
-    logits = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G_PAD, BLOCK]
-    logits = tl.where(valid[None, :], logits, float("-inf"))
-    top = tl.max(logits, axis=1)
+                other=0.0)
+    k = tl.load(kv_ptr + physical[:, None] * s_kvb + (r % BLOCK)[:, None] * s_kvt + h * s_kvh + d[None, :],
+                mask=valid[:, None] & (d[None, :] < D), other=0.0)  # K: index 0 of dim 1
+    logits = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=DOT_PRECISION) * scale  # [G_PAD, COLS * BLOCK]
+    logits = tl.reshape(tl.where(valid[None, :], logits, float("-inf")), (G_PAD, COLS, BLOCK))
+    top = tl.max(logits, axis=2)
     top = tl.where(top == float("-inf"), 0.0, top)  # an empty column: log(0) = -inf below, not nan
-    lse = top + tl.log(tl.sum(tl.exp(logits - top[:, None]), axis=1))
-    tl.store(out_ptr + b * s_ob + heads * s_oh + w, lse, mask=g < GROUP)
+    lse = top + tl.log(tl.sum(tl.exp(logits - top[:, :, None]), axis=2))  # [G_PAD, COLS]
+    cols = chunk * COLS + tl.arange(0, COLS)
+    tl.store(out_ptr + b * s_ob + heads[:, None] * s_oh + cols[None, :], lse,
+             mask=(g[:, None] < GROUP) & (cols[None, :] < WIDTH))
 
 
 def shortlist_block_lse(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor, listed: torch.Tensor,
-                        seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                        seq_lens: torch.Tensor, scale: float, cols: int | None = None) -> torch.Tensor:
     """fp32 [B, Hq, W]: per query head, the log-sum-exp of its logits over each listed block's keys.
     q [B, Hq, D]; kv_layer [blocks, 2, block_size, Hkv, D]; tables int32 [B, max_blocks] (logical -> physical);
-    listed int32 [B, W] logical ids, -1 = none; seq_lens int32 [B], the new token included."""
+    listed int32 [B, W] logical ids, -1 = none; seq_lens int32 [B], the new token included. `cols`: listed blocks
+    per program (a power of two; default: a key tile of 128 rows)."""
     _check(q, kv_layer, tables, listed, seq_lens)
     bsz, hq, d = q.shape
     _, _, block, hkv, _ = kv_layer.shape
@@ -58,13 +65,27 @@ def shortlist_block_lse(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.T
     out = torch.empty(bsz, hq, width, dtype=torch.float32, device=q.device)
     if bsz == 0 or width == 0:
         return out
+    cols = cols or _tile_cols(block, width)
+    if cols & (cols - 1) or cols * block < 16:
+        raise ValueError(f"cols must be a power of two with cols x block_size >= 16 (tl.dot), got {cols} x {block}")
     group = hq // hkv
-    _block_lse_kernel[(bsz, hkv, width)](
+    _block_lse_kernel[(bsz, hkv, triton.cdiv(width, cols))](
         q, kv_layer, tables, listed, seq_lens, out, scale,
         q.stride(0), q.stride(1), kv_layer.stride(0), kv_layer.stride(2), kv_layer.stride(3), tables.stride(0),
-        listed.stride(0), out.stride(0), out.stride(1), group, d,
-        BLOCK=block, G_PAD=triton.next_power_of_2(group), D_PAD=triton.next_power_of_2(d), num_warps=4)
+        listed.stride(0), out.stride(0), out.stride(1), group, d, width,
+        **_meta(block, cols, group, d, q.dtype == torch.float32), num_warps=4)
     return out
+
+
+def _tile_cols(block: int, width: int) -> int:
+    """Listed blocks per program: a 128-row key tile, fewer for a short list, at least the 16 rows tl.dot needs."""
+    return max(triton.cdiv(16, block), min(triton.next_power_of_2(max(1, 128 // block)),
+                                           triton.next_power_of_2(width)))
+
+
+def _meta(block: int, cols: int, group: int, head_dim: int, fp32: bool) -> dict:
+    return dict(BLOCK=block, COLS=cols, G_PAD=max(16, triton.next_power_of_2(group)),  # tl.dot's M >= 16
+                D_PAD=max(16, triton.next_power_of_2(head_dim)), DOT_PRECISION="ieee" if fp32 else "tf32")
 
 
 def shortlist_block_lse_reference(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor,
@@ -115,5 +136,5 @@ def compile_for(arch: int, group: int, head_dim: int, block: int = 16):
 
     pointers = {n: "*i32" for n in ("tables_ptr", "listed_ptr", "lens_ptr")}
     pointers.update(q_ptr="*bf16", kv_ptr="*bf16", out_ptr="*fp32")
-    meta = dict(BLOCK=block, G_PAD=triton.next_power_of_2(group), D_PAD=triton.next_power_of_2(head_dim))
+    meta = _meta(block, _tile_cols(block, 1 << 10), group, head_dim, fp32=False)
     return compile_ahead(_block_lse_kernel, pointers, meta, arch, num_warps=4, scalars={"scale": "fp32"})
