@@ -9,18 +9,30 @@
 #                                          (in the twin, 3x answered niah_single as the oracle does)
 #   scripts/gpu_shortlist.sh eval-finer OUTDIR   the same with the finer selection (per KV head, 4-token summaries)
 #                                          and a list of 2x
+#   scripts/gpu_shortlist.sh tile OUTDIR   the tiled kernel (twenty-eighth session): its GB/s per chunk width in
+#                                          `bench kernels`, its time in the engine's kernel profile, and the step
+#                                          cost of 2x lists in quest and oasis beside dense
+#   scripts/gpu_shortlist.sh eval4 OUTDIR  oasis with a 4x list (stalled on 2026-12-04: stacks dumped after 240 s),
+#                                          then the finer selection with a 3x list
 #   The evals need the GGUF at /root/models (../shared/device/stage-smollm2.sh) and OASISKV_EVAL_CACHE=.carry/eval-cache.
 set -u -o pipefail
-WHAT=${1:?usage: scripts/gpu_shortlist.sh cost|eval|eval-finer OUTDIR}
-OUT=${2:?usage: scripts/gpu_shortlist.sh cost|eval|eval-finer OUTDIR}
+USAGE="usage: scripts/gpu_shortlist.sh cost|tile|eval|eval-finer|eval4 OUTDIR"
+WHAT=${1:?$USAGE}
+OUT=${2:?$USAGE}
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 quiet() { grep -v 'it/s\]' | grep -v '^\[eval\] context'; }
-if [ "$WHAT" = cost ]; then
-  B="$PY -m oasiskv.cli bench throughput --model qwen3-8b --load-format dummy --input-len 16384 --output-len 512 \
-     --max-num-batched-tokens 16384 --schedule-policy prefill-first --gpu-memory-gb 72 --host-kv-gb 100"
+B="$PY -m oasiskv.cli bench throughput --model qwen3-8b --load-format dummy --input-len 16384 --output-len 512 \
+   --max-num-batched-tokens 16384 --schedule-policy prefill-first --gpu-memory-gb 72 --host-kv-gb 100"
+if [ "$WHAT" = tile ]; then
+  $PY -m oasiskv.cli bench kernels --batches 8,43 --shortlist 2 --json "$OUT/kernels_shortlist.json" 2>&1 \
+    | tee "$OUT/kernels_shortlist.log" | tail -12
+  $PY scripts/gpu_kernel_profile.py --modes quest,oasis --batch 43 --host-gb 100 --graphs --shortlist 2 \
+    2>&1 | tee "$OUT/profile_shortlist2.log" | grep --line-buffered -E "=====|_block_lse_kernel|span of" | head -12
+  $B --modes dense,quest,oasis --shortlist 2 --json "$OUT/shortlist2_512.json" 2>&1 | quiet | tee "$OUT/shortlist2_512.log" | tail -12
+elif [ "$WHAT" = cost ]; then
   $B --modes dense,quest,oasis --shortlist 2 --json "$OUT/shortlist2_512.json" 2>&1 | quiet | tee "$OUT/shortlist2_512.log" | tail -12
   $B --modes oasis --shortlist 3 --json "$OUT/shortlist3_512.json" 2>&1 | quiet | tee "$OUT/shortlist3_512.log" | tail -6
   $PY scripts/gpu_kernel_profile.py --modes quest,oasis --batch 43 --host-gb 100 --graphs --shortlist 2 \
@@ -34,6 +46,10 @@ else
             | quiet | tee "$OUT/bf16_shortlist.log" | tail -60 ;;
     eval-finer) $E --modes dense,quest,oasis --shortlist 2 --block-score mass --select-per kv-head --summary-tokens 4 \
             --json "$OUT/bf16_shortlist_finer.json" 2>&1 | quiet | tee "$OUT/bf16_shortlist_finer.log" | tail -40 ;;
-    *) echo "usage: scripts/gpu_shortlist.sh cost|eval|eval-finer OUTDIR" >&2; exit 2 ;;
+    eval4) PYTHONPATH=scripts/hang_dump:. OASIS_HANG_S=240 $E --modes dense,oasis --block-score mass --shortlist 4 \
+            --json "$OUT/bf16_shortlist4.json" 2>&1 | quiet | tee "$OUT/bf16_shortlist4.log" | tail -60
+           $E --modes quest,oasis --shortlist 3 --block-score mass --select-per kv-head --summary-tokens 4 \
+            --json "$OUT/bf16_shortlist3_finer.json" 2>&1 | quiet | tee "$OUT/bf16_shortlist3_finer.log" | tail -40 ;;
+    *) echo "$USAGE" >&2; exit 2 ;;
   esac
 fi

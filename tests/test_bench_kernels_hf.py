@@ -46,7 +46,12 @@ def test_bench_kernels_runs_the_references(tmp_path, capsys):
         assert s["score_select_ms_per_step"] == pytest.approx(3 * s["score_select_us_per_layer"] / 1000, rel=1e-2)
         assert s["mass_select_ms_per_step"] == pytest.approx(3 * s["mass_select_us_per_layer"] / 1000, rel=1e-2)
         assert s["summary_mb"] == pytest.approx(s["batch"] * 32 * 2 * 2 * 16 * 4 / 1e6, rel=1e-3)  # fp32 min, max
-    assert "sparse decode attention" in capsys.readouterr().out
+    assert [s["batch"] for s in r["shortlist"]] == [1, 2]
+    for s in r["shortlist"]:  # a list of 2 x the budget's 10 blocks; keys in fp32
+        assert s["listed_blocks"] == 20 and s["correct"] and s["us"] > 0
+        assert s["key_mb"] == pytest.approx(s["batch"] * 20 * 16 * 2 * 16 * 4 / 1e6, rel=1e-3)
+    printed = capsys.readouterr().out
+    assert "sparse decode attention" in printed and "shortlist pass" in printed
 
 
 def test_hf_reference_generates_the_workload(tmp_path):

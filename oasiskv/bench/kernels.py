@@ -6,7 +6,8 @@
   window + random blocks), GB/s of the K/V it reads against a device-to-device copy; eager (launch cost
   included, do_bench) and, on the GPU, replayed from a CUDA graph over inputs larger than the L2 (kernel
   time); checked against the torch reference;
-- scoring: block scores over the summaries plus the top-k selection, time per layer and per step.
+- scoring: block scores over the summaries plus the top-k selection, time per layer and per step;
+- shortlist: the --shortlist pass's exact mass over a list of --shortlist x the budget (bench/kernel_shortlist.py).
 Defaults are Qwen3-8B's shapes at 16K context. On the CPU the torch references run instead (tiny sizes
 for tests). The GPU-only details (tile sweeps, the per-chunk memcpy loop) stay in
 `python -m oasiskv.bench.kernel_tiered`.
@@ -20,6 +21,7 @@ import torch
 
 from oasiskv.bench.ceilings import host_to_device_gbps, memory_copy_gbps, timed_ms
 from oasiskv.bench.kernel_paged_decode import make_case
+from oasiskv.bench.kernel_shortlist import bench_shortlist
 from oasiskv.bench.kernel_tiered import _fill_random_ as fill_random_
 from oasiskv.bench.report import print_table, sig, write_json
 from oasiskv.config import BenchConfig
@@ -46,6 +48,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=36, help="layers per decode step (scoring time per step)")
     p.add_argument("--host-gib", type=float, default=d.kernel_host_gib, help="pinned host store the gather reads")
     p.add_argument("--chunks", type=int, default=d.kernel_chunks, help="(layer, block) chunks per gather")
+    p.add_argument("--shortlist", type=float, default=2.0, help="the listed blocks, times the budget's")
     p.add_argument("--json", default=None)
 
 
@@ -170,8 +173,10 @@ def run(args) -> dict:
     attention = [bench_sparse_attention(b, args.context, args.budget, shapes, dtype, device, copy_gbps)
                  for b in batches]
     scoring = [bench_scoring(b, args.context, args.budget, shapes, args.layers, dtype, device) for b in batches]
+    shortlist = [row for b in batches
+                 for row in bench_shortlist(b, args.context, args.budget, args.shortlist, shapes, dtype, device, copy_gbps)]
     result = {"kind": "kernels", "dtype": str(dtype), "shapes": shapes, "memory_copy_gbps": sig(copy_gbps),
-              "gather": gather, "sparse_attention": attention, "scoring": scoring}
+              "gather": gather, "sparse_attention": attention, "scoring": scoring, "shortlist": shortlist}
     print_kernels(result)
     if args.json:
         write_json(args.json, result, device)
@@ -190,3 +195,6 @@ def print_kernels(r: dict) -> None:
     print("\nscoring + top-k selection (bound: Quest's; mass: --block-score mass):")
     print_table(r["scoring"], ("batch", "blocks", "summary_mb", "score_select_us_per_layer", "score_select_ms_per_step",
                                "mass_select_us_per_layer", "mass_select_ms_per_step"))
+    print("\nshortlist pass (GB/s of the listed blocks' keys, against the memory copy; cols: listed blocks a program):")
+    print_table(r["shortlist"], ("batch", "listed_blocks", "cols", "key_mb", "us", "gbps", "vs_copy", "max_abs_err",
+                                 "correct"))
