@@ -127,4 +127,5 @@ def test_fill_misses_rejects_bad_counters():
 def test_fill_kernel_compiles_for_the_h200():
     """The GPU lowering (the atomics, the loop's reductions), which the interpreter does not check."""
     run_without_interpreter("from oasiskv.kernels.miss_fill import compile_for\n"
-                            "assert compile_for(90, 129, 128).asm['cubin']\n")
+                            "assert compile_for(90, 129, 128).asm['cubin']\n"
+                            "assert compile_for(90, 513, 128).asm['cubin']\n")  # a 4x list at 8K: was minutes

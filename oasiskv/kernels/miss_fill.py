@@ -16,7 +16,8 @@ the count of places filled per row. With `counters`, those counts are also added
 (row_counts[rows[b], column] and layer_counts[layer, column]) in the same launch, as the residency kernel adds its
 own: without them, each layer's counts took a chain of small launches.
 
-The kernel loops once per miss of its row, each pass a max and a min over the row's slots.
+The kernel loops once per miss of its row, each pass a max and a min over the row's slots; it finds the slots
+`attended` already holds a few columns at a time (the compare's size stays bounded as the working set grows).
 The torch twin runs on the CPU; the tests check both against a row-by-row brute force."""
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ class FillCounters:
 def _fill_kernel(att_ptr, sel_ptr, score_ptr, block_of_ptr, rows_ptr, nblocks_ptr, out_ptr, count_ptr,
                  row_counts_ptr, layer_counts_ptr, column, layer, s_rc, s_lc,
                  K, E, S, s_att, s_sel, s_score, s_block_of, s_out,
-                 K_PAD: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr, COUNT: tl.constexpr):
+                 K_PAD: tl.constexpr, S_PAD: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                 COUNT: tl.constexpr):
     b = tl.program_id(0)
     j = tl.arange(0, K_PAD)
     sel = tl.load(sel_ptr + b * s_sel + j, mask=j < K, other=-1)
@@ -62,7 +64,14 @@ def _fill_kernel(att_ptr, sel_ptr, score_ptr, block_of_ptr, rows_ptr, nblocks_pt
     n = tl.load(nblocks_ptr + b)
     s = tl.arange(0, S_PAD)
     held = tl.load(block_of_ptr + r * s_block_of + s, mask=s < S, other=-1)
-    taken = tl.max(((held[:, None] == att[None, :]) & (att[None, :] >= 0)).to(tl.int32), axis=1) > 0
+    taken = tl.zeros([S_PAD], dtype=tl.int32)
+    c = tl.arange(0, CHUNK)
+    for start in range(0, K, CHUNK):  # a [S_PAD, CHUNK] compare at a time: one of [S_PAD, K_PAD] spilled so
+        # badly at 513 slots that ptxas ran for minutes
+        part = tl.load(att_ptr + b * s_att + start + c, mask=start + c < K, other=-1)
+        hit = (held[:, None] == part[None, :]) & (part[None, :] >= 0)
+        taken = tl.maximum(taken, tl.max(hit.to(tl.int32), axis=1))
+    taken = taken > 0
     free = (held >= 0) & (held < n) & ~taken
     score = tl.load(score_ptr + b * s_score + held, mask=free, other=float("-inf"))
     free = free & (score > float("-inf"))
@@ -114,8 +123,12 @@ def fill_misses(attended: torch.Tensor, selection: torch.Tensor, scores: torch.T
 
 
 def _constants(k: int, slots: int, extra: int) -> dict:
-    return dict(K_PAD=max(2, triton.next_power_of_2(k)), S_PAD=max(2, triton.next_power_of_2(slots)),
-                E_PAD=max(2, triton.next_power_of_2(max(extra, 1))))
+    k_pad, s_pad = max(2, triton.next_power_of_2(k)), max(2, triton.next_power_of_2(slots))
+    return dict(K_PAD=k_pad, S_PAD=s_pad, E_PAD=max(2, triton.next_power_of_2(max(extra, 1))),
+                CHUNK=max(2, min(k_pad, _COMPARE_ELEMENTS // s_pad)))
+
+
+_COMPARE_ELEMENTS = 2048  # slots x selected columns compared at once: 64 registers a lane in one warp
 
 
 _POINTERS = {"att_ptr": "*i32", "sel_ptr": "*i32", "score_ptr": "*fp32", "block_of_ptr": "*i32", "rows_ptr": "*i64",
