@@ -12,11 +12,12 @@
 #   scripts/gpu_shortlist.sh tile OUTDIR   the tiled kernel (twenty-eighth session): its GB/s per chunk width in
 #                                          `bench kernels`, its time in the engine's kernel profile, and the step
 #                                          cost of 2x lists in quest and oasis beside dense
-#   scripts/gpu_shortlist.sh eval4 OUTDIR  oasis with a 4x list (stalled on 2026-12-04: stacks dumped after 240 s),
-#                                          then the finer selection with a 3x list
+#   scripts/gpu_shortlist.sh eval4 OUTDIR  oasis with a 4x list (stalled on 2026-12-04 in ptxas, compiling the miss
+#                                          fill kernel; stacks are dumped if it runs past 420 s)
+#   scripts/gpu_shortlist.sh finer3 OUTDIR the finer selection (per KV head, 4-token summaries) with a 3x list
 #   The evals need the GGUF at /root/models (../shared/device/stage-smollm2.sh) and OASISKV_EVAL_CACHE=.carry/eval-cache.
 set -u -o pipefail
-USAGE="usage: scripts/gpu_shortlist.sh cost|tile|eval|eval-finer|eval4 OUTDIR"
+USAGE="usage: scripts/gpu_shortlist.sh cost|tile|eval|eval-finer|eval4|finer3 OUTDIR"
 WHAT=${1:?$USAGE}
 OUT=${2:?$USAGE}
 mkdir -p "$OUT"
@@ -46,9 +47,9 @@ else
             | quiet | tee "$OUT/bf16_shortlist.log" | tail -60 ;;
     eval-finer) $E --modes dense,quest,oasis --shortlist 2 --block-score mass --select-per kv-head --summary-tokens 4 \
             --json "$OUT/bf16_shortlist_finer.json" 2>&1 | quiet | tee "$OUT/bf16_shortlist_finer.log" | tail -40 ;;
-    eval4) PYTHONPATH=scripts/hang_dump:. OASIS_HANG_S=240 $E --modes dense,oasis --block-score mass --shortlist 4 \
-            --json "$OUT/bf16_shortlist4.json" 2>&1 | quiet | tee "$OUT/bf16_shortlist4.log" | tail -60
-           $E --modes quest,oasis --shortlist 3 --block-score mass --select-per kv-head --summary-tokens 4 \
+    eval4) PYTHONPATH=scripts/hang_dump:. OASIS_HANG_S=420 $E --modes dense,oasis --block-score mass --shortlist 4 \
+            --json "$OUT/bf16_shortlist4.json" 2>&1 | quiet | tee "$OUT/bf16_shortlist4.log" | tail -60 ;;
+    finer3) $E --modes quest,oasis --shortlist 3 --block-score mass --select-per kv-head --summary-tokens 4 \
             --json "$OUT/bf16_shortlist3_finer.json" 2>&1 | quiet | tee "$OUT/bf16_shortlist3_finer.log" | tail -40 ;;
     *) echo "$USAGE" >&2; exit 2 ;;
   esac
