@@ -128,7 +128,7 @@ def _constants(k: int, slots: int, extra: int) -> dict:
                 CHUNK=max(2, min(k_pad, _COMPARE_ELEMENTS // s_pad)))
 
 
-_COMPARE_ELEMENTS = 2048  # slots x selected columns compared at once: 64 registers a lane in one warp
+_COMPARE_ELEMENTS = 32768  # slots x selected columns compared at once (one pass up to 256 slots x 128 columns)
 
 
 _POINTERS = {"att_ptr": "*i32", "sel_ptr": "*i32", "score_ptr": "*fp32", "block_of_ptr": "*i32", "rows_ptr": "*i64",
