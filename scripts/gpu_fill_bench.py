@@ -6,15 +6,20 @@ at most 2 us faster a layer, not kept (docs/BENCHMARKS.md). Shapes: SmolLM2 at 8
 weights). Timed by gpu_select_bench's per_call_us (the median of 20 replays); the numbers in docs/BENCHMARKS.md
 came from the versions at 3312226 and 473c9e7, which took the mean.
 
-    PYTHONPATH=. python scripts/gpu_fill_bench.py [--json OUT.json]
+    PYTHONPATH=. python scripts/gpu_fill_bench.py [--compare-elements 8192,32768] [--json OUT.json]
+
+--compare-elements: kernels/miss_fill.py's _COMPARE_ELEMENTS values to time (slot x column pairs a pass); default:
+the committed one.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
 
+import oasiskv.kernels.miss_fill as miss_fill
 from oasiskv.kernels.miss_fill import fill_misses, fill_misses_reference
 from scripts.gpu_select_bench import per_call_us
 
@@ -42,6 +47,7 @@ def make_case(batch, k, width, slots, hit_rate, seed, device):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
+    parser.add_argument("--compare-elements", default=str(miss_fill._COMPARE_ELEMENTS))
     args = parser.parse_args()
     device = torch.device("cuda")
     shapes = {"smollm2 8K b32, hit 91%": (32, 128, 513, 129, 0.91),
@@ -53,13 +59,15 @@ def main() -> None:
         case = make_case(*dims, seed=0, device=device)
         want, want_counts = fill_misses_reference(*case)
         misses = int(((case[1] >= 0) & (case[0][:, :-1] < 0)).sum()) / dims[0]
-        for warps in (1, 2, 4, 8):
+        for elements, warps in itertools.product(map(int, args.compare_elements.split(",")), (1, 2, 4, 8)):
+            miss_fill._COMPARE_ELEMENTS = elements
             got, counts = fill_misses(*case, num_warps=warps)
             ok = torch.equal(got, want) and torch.equal(counts, want_counts)
             us = per_call_us(lambda: fill_misses(*case, num_warps=warps), calls=36, repeats=20)
-            rows.append({"shape": shape, "misses_per_row": round(misses, 1), "num_warps": warps,
-                         "equal_to_twin": ok, "us_per_layer": round(us, 2)})
-            print(f"{shape:28s} misses/row {misses:5.1f}  warps {warps}  equal {ok}  {us:7.2f} us")
+            rows.append({"shape": shape, "misses_per_row": round(misses, 1), "compare_elements": elements,
+                         "num_warps": warps, "equal_to_twin": ok, "us_per_layer": round(us, 2)})
+            print(f"{shape:28s} misses/row {misses:5.1f}  compare {elements:6d}  warps {warps}  equal {ok}  "
+                  f"{us:7.2f} us", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

@@ -87,7 +87,10 @@ def python_loop(kv, slot_of, block_of, last_used, layer, rows, tail_slots, opene
 @pytest.mark.parametrize("b, width, k", [(1, 3, 2), (3, 5, 4), (5, 9, 8), (4, 17, 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_kernel_and_twin_match_a_python_loop(b, width, k, dtype, seed):
+@pytest.mark.parametrize("compare", [None, 4], ids=["one-pass", "chunks-of-2"])
+def test_kernel_and_twin_match_a_python_loop(b, width, k, dtype, seed, compare, monkeypatch):
+    if compare:  # the protected list read 2 blocks a pass
+        monkeypatch.setattr("oasiskv.kernels.draft_kv._COMPARE_ELEMENTS", compare)
     case = make_case(b, width, max_blocks=3 * width, k=k, dtype=dtype, seed=seed + 10 * b)
     kv, slot_of, block_of, last_used, layer, rows, tail_slots, opened, offset, attended, k_new, v_new = case
     step = 7
@@ -103,9 +106,11 @@ def test_kernel_and_twin_match_a_python_loop(b, width, k, dtype, seed):
 
 def test_compiles_for_the_h200():
     # the interpreter cannot tell whether the kernel lowers for the GPU: compile for sm_90 (no GPU needed) in a
-    # process without the interpreter, at the headline width (129 slots) and selection (128 blocks)
+    # process without the interpreter, at the headline width (129 slots) and selection (128 blocks), and at a
+    # 4x shortlist's working set (513 slots)
     code = ("from oasiskv.kernels.draft_kv import compile_for\n"
-            "assert compile_for(90, 129, 128).asm['cubin']\n")
+            "assert compile_for(90, 129, 128).asm['cubin']\n"
+            "assert compile_for(90, 513, 128).asm['cubin']\n")
     run_without_interpreter(code)
 
 

@@ -132,9 +132,12 @@ def fused_case(b, width, k, dtype, seed):
 @pytest.mark.parametrize("b, width, k", [(1, 3, 1), (3, 5, 4), (4, 6, 9), (5, 9, 8), (4, 17, 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_fused_draft_write_equals_the_two_references(b, width, k, dtype, seed):
+@pytest.mark.parametrize("compare", [None, 4], ids=["one-pass", "chunks-of-2"])
+def test_fused_draft_write_equals_the_two_references(b, width, k, dtype, seed, compare, monkeypatch):
     """One launch does the residency check and write_draft_kv with its output: the same output, counters,
     tables and K/V pool as resident_selection_reference then write_draft_kv_reference."""
+    if compare:  # the placement reads the protected list 2 blocks a pass
+        monkeypatch.setattr("oasiskv.kernels.draft_kv._COMPARE_ELEMENTS", compare)
     residency, draft = fused_case(b, width, k, dtype, seed + 10 * b)
     results = []
     for fused in (True, False):
@@ -170,5 +173,6 @@ def test_fused_kernel_compiles_for_the_h200():
     # as tests/test_kernel_draft_kv.py's: the GPU lowering of the residency check with the draft's placement,
     # compiled for sm_90 without the interpreter, at the headline width (129 slots) and selection (128 blocks)
     code = ("from oasiskv.kernels.residency import compile_for\n"
-            "assert compile_for(90, 129, 128).asm['cubin']\n")
+            "assert compile_for(90, 129, 128).asm['cubin']\n"
+            "assert compile_for(90, 513, 128).asm['cubin']\n")
     run_without_interpreter(code)

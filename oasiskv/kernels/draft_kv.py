@@ -31,26 +31,27 @@ __all__ = ["DraftWrite", "place_draft_row", "write_draft_kv", "write_draft_kv_re
 @triton.jit
 def _draft_kv_kernel(slot_of_ptr, rows_ptr, opened_ptr, att_ptr, layer, s_sl, s_sr, s_att, K,
                      kv_ptr, block_of_ptr, used_ptr, tail_ptr, offset_ptr, k_ptr, v_ptr, step_ptr,
-                     s_bl, s_br, s_ul, s_ur, s_kv_slot, s_k, W, BLOCK_K: tl.constexpr,
+                     s_bl, s_br, s_ul, s_ur, s_kv_slot, s_k, W, CHUNK: tl.constexpr,
                      KV_HALF: tl.constexpr, TOKEN: tl.constexpr, TOKEN_PAD: tl.constexpr, BLOCK_W: tl.constexpr,
                      IDX_BITS: tl.constexpr, KEEP_CODE: tl.constexpr):
     b = tl.program_id(0)
-    kk = tl.arange(0, BLOCK_K)
-    attended = tl.load(att_ptr + b * s_att + kk, mask=kk < K, other=-1)
-    place_draft_row(b, attended, slot_of_ptr, rows_ptr, opened_ptr, layer, s_sl, s_sr,
+    place_draft_row(b, att_ptr + b * s_att, K, slot_of_ptr, rows_ptr, opened_ptr, layer, s_sl, s_sr,
                     kv_ptr, block_of_ptr, used_ptr, tail_ptr, offset_ptr, k_ptr, v_ptr, step_ptr,
-                    s_bl, s_br, s_ul, s_ur, s_kv_slot, s_k, W, KV_HALF, TOKEN, TOKEN_PAD, BLOCK_W, IDX_BITS, KEEP_CODE)
+                    s_bl, s_br, s_ul, s_ur, s_kv_slot, s_k, W, CHUNK, KV_HALF, TOKEN, TOKEN_PAD, BLOCK_W, IDX_BITS,
+                    KEEP_CODE)
 
 
 @triton.jit
-def place_draft_row(b, attended, slot_of_ptr, rows_ptr, opened_ptr, layer, s_sl, s_sr,
+def place_draft_row(b, att_row_ptr, K, slot_of_ptr, rows_ptr, opened_ptr, layer, s_sl, s_sr,
                     kv_ptr, block_of_ptr, used_ptr, tail_ptr, offset_ptr, k_ptr, v_ptr, step_ptr,
-                    s_bl, s_br, s_ul, s_ur, s_kv_slot, s_k, W,
+                    s_bl, s_br, s_ul, s_ur, s_kv_slot, s_k, W, CHUNK: tl.constexpr,
                     KV_HALF: tl.constexpr, TOKEN: tl.constexpr, TOKEN_PAD: tl.constexpr, BLOCK_W: tl.constexpr,
                     IDX_BITS: tl.constexpr, KEEP_CODE: tl.constexpr):
-    """Row b's placement and K/V write (the module docstring). `attended`: the row's protected blocks, a register
-    vector of any power-of-two length >= 2 padded with -1. Called by _draft_kv_kernel and, after the residency
-    check, by kernels/residency.py's fused kernel."""
+    """Row b's placement and K/V write (the module docstring). `att_row_ptr`: the row's K protected blocks in
+    memory (-1 = none), read CHUNK at a time: the slots are compared with one chunk per pass, so the compare's
+    [BLOCK_W, CHUNK] stays small however many slots and blocks there are (a whole [BLOCK_W, K] compare spills
+    out of the registers). Called by _draft_kv_kernel and, after the residency check, by kernels/residency.py's
+    fused kernel, which must make its own stores of the list visible first (a barrier)."""
     row = tl.load(rows_ptr + b).to(tl.int64)
     opened = tl.load(opened_ptr + b).to(tl.int64)
     slot = tl.load(tail_ptr + b).to(tl.int64)
@@ -64,13 +65,15 @@ def place_draft_row(b, attended, slot_of_ptr, rows_ptr, opened_ptr, layer, s_sl,
         else:
             j = tl.arange(0, BLOCK_W)
             held = tl.load(block_row + j, mask=j < W, other=-1)
-            listed = tl.max((held[:, None] == attended[None, :]).to(tl.int32), axis=1) != 0
-            keep = (held >= 0) & listed
+            listed = tl.zeros([BLOCK_W], tl.int32)
+            for start in range(0, K, CHUNK):
+                c = start + tl.arange(0, CHUNK)
+                attended = tl.load(att_row_ptr + c, mask=c < K, other=-1)
+                listed = tl.maximum(listed, tl.max((held[:, None] == attended[None, :]).to(tl.int32), axis=1))
+            keep = (held >= 0) & (listed != 0)
             used = tl.load(used_row + j, mask=j < W, other=0)
             code = tl.where(held < 0, 0, used + 1)  # an empty slot first, then by last use
             code = tl.where(keep | (j >= W), KEEP_CODE, code)
-            # every store below depends on `victim`, a reduction over all lanes of values that depend on all of
-            # `attended`: a caller's loads from slot_of that `attended` was computed from are complete before them
             victim = tl.min((code << IDX_BITS) | j.to(tl.int64), axis=0) & (BLOCK_W - 1)
             old = tl.load(block_row + victim)
             if old >= 0:
@@ -119,8 +122,12 @@ def placement_constants(width: int, token: int, kv_half: int) -> dict:
     slot's K to its V."""
     block_w = max(2, triton.next_power_of_2(width))
     idx_bits = block_w.bit_length() - 1
-    return dict(KV_HALF=kv_half, TOKEN=token, TOKEN_PAD=triton.next_power_of_2(token), BLOCK_W=block_w,
-                IDX_BITS=idx_bits, KEEP_CODE=(1 << (62 - idx_bits)) - 1)
+    return dict(CHUNK=max(2, _COMPARE_ELEMENTS // block_w), KV_HALF=kv_half, TOKEN=token,
+                TOKEN_PAD=triton.next_power_of_2(token), BLOCK_W=block_w, IDX_BITS=idx_bits,
+                KEEP_CODE=(1 << (62 - idx_bits)) - 1)
+
+
+_COMPARE_ELEMENTS = 8192  # slots x protected blocks compared at once when a draft's block needs a slot
 
 
 def write_draft_kv(kv_layer, slot_of, block_of, last_used, layer: int, rows, tail_slots, opened, offset, attended,
@@ -139,8 +146,7 @@ def write_draft_kv(kv_layer, slot_of, block_of, last_used, layer: int, rows, tai
     values, constants = DraftWrite(kv_layer, block_of, last_used, tail_slots, offset, k, v, step).launch_args()
     _draft_kv_kernel[(len(rows),)](
         slot_of, rows, opened, attended, layer, slot_of.stride(0), slot_of.stride(1), attended.stride(0),
-        attended.shape[1], *values, BLOCK_K=max(2, triton.next_power_of_2(attended.shape[1])), **constants,
-        num_warps=4)
+        attended.shape[1], *values, **constants, num_warps=4)
     return None
 
 
@@ -210,5 +216,5 @@ POINTERS = {"kv_ptr": "*fp16", "slot_of_ptr": "*i32", "block_of_ptr": "*i32", "u
 def compile_for(arch: int, width: int, k: int, token: int = 1024, block_size: int = 16):
     """_draft_kv_kernel compiled ahead of time (kernels/aot.py) for `width` slots per row, `k` attended blocks,
     `token` values per K (Hkv * D) and `block_size` tokens per block."""
-    meta = dict(BLOCK_K=max(2, triton.next_power_of_2(k)), **placement_constants(width, token, block_size * token))
+    meta = placement_constants(width, token, block_size * token)
     return compile_ahead(_draft_kv_kernel, POINTERS, meta, arch)

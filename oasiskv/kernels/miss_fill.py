@@ -96,12 +96,12 @@ def _fill_kernel(att_ptr, sel_ptr, score_ptr, block_of_ptr, rows_ptr, nblocks_pt
 
 def fill_misses(attended: torch.Tensor, selection: torch.Tensor, scores: torch.Tensor, block_of: torch.Tensor,
                 rows: torch.Tensor, nblocks: torch.Tensor, counters: FillCounters | None = None,
-                num_warps: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """attended int32 [B, K + E], selection int32 [B, K], scores fp32 [B, W] (x_t's block scores; every block
     held below nblocks must be < W), block_of int32 [R, S] (the layer's slots per request row), rows int [B]
     (distinct), nblocks int32 [B]. Returns (attended filled, int32 [B] places filled), as the module docstring
-    says, and adds the places to `counters` if given. One warp measured fastest on the H200
-    (scripts/gpu_fill_bench.py, which times the others through `num_warps`)."""
+    says, and adds the places to `counters` if given. Four warps with compares of 8192 pairs measured fastest on
+    the H200 at 129 and 513 slots (scripts/gpu_fill_bench.py, which times the others through `num_warps`)."""
     _check(attended, selection, scores, block_of, rows, nblocks, counters)
     if not (attended.is_cuda or type(_fill_kernel).__name__ == "InterpretedFunction"):
         return fill_misses_reference(attended, selection, scores, block_of, rows, nblocks, counters)
@@ -128,7 +128,7 @@ def _constants(k: int, slots: int, extra: int) -> dict:
                 CHUNK=max(2, min(k_pad, _COMPARE_ELEMENTS // s_pad)))
 
 
-_COMPARE_ELEMENTS = 32768  # slots x selected columns compared at once (one pass up to 256 slots x 128 columns)
+_COMPARE_ELEMENTS = 8192  # slots x selected columns compared at once (a pass of [256, 32] at 129 slots)
 
 
 _POINTERS = {"att_ptr": "*i32", "sel_ptr": "*i32", "score_ptr": "*fp32", "block_of_ptr": "*i32", "rows_ptr": "*i64",
@@ -139,7 +139,7 @@ _POINTERS = {"att_ptr": "*i32", "sel_ptr": "*i32", "score_ptr": "*fp32", "block_
 def compile_for(arch: int, slots: int, k: int):
     """_fill_kernel compiled ahead of time (kernels/aot.py), counting, for a selection of `k` blocks, `slots`
     working-set slots per row and oasis's one extra column."""
-    return compile_ahead(_fill_kernel, _POINTERS, dict(**_constants(k, slots, 1), COUNT=True), arch, num_warps=1)
+    return compile_ahead(_fill_kernel, _POINTERS, dict(**_constants(k, slots, 1), COUNT=True), arch, num_warps=4)
 
 
 def fill_misses_reference(attended, selection, scores, block_of, rows, nblocks,

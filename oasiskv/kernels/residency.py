@@ -45,19 +45,21 @@ def _resident_draft_kernel(sel_ptr, slot_ptr, pred_ptr, rows_ptr, fresh_ptr, out
                            layer_counts_ptr, ids_ptr, extra_ptr, layer, K, s_out, s_slot_l, s_slot_r, s_pred_l,
                            s_pred_r, s_rc, s_lc,
                            kv_ptr, block_of_ptr, used_ptr, tail_ptr, offset_ptr, k_ptr, v_ptr, step_ptr,
-                           s_bl, s_br, s_ul, s_ur, s_kv_slot, s_k, W, K_PAD: tl.constexpr,
+                           s_bl, s_br, s_ul, s_ur, s_kv_slot, s_k, W, K_PAD: tl.constexpr, CHUNK: tl.constexpr,
                            KV_HALF: tl.constexpr, TOKEN: tl.constexpr, TOKEN_PAD: tl.constexpr,
                            BLOCK_W: tl.constexpr, IDX_BITS: tl.constexpr, KEEP_CODE: tl.constexpr):
     """_resident_kernel with `extra` (the opened blocks), then kernels/draft_kv.py's placement of row b's draft
-    with x_t's attended blocks as protected. Row b's placement writes only its own request row of the tables
-    (rows are distinct), and place_draft_row's stores come after this row's slot_of loads (see there)."""
+    with x_t's attended blocks (the output row just written) as protected. Row b's placement writes only its own
+    request row of the tables (rows are distinct); the barrier puts its loads and stores after this row's slot_of
+    loads and output stores."""
     b = tl.program_id(0)
-    attended = _resident_row(b, sel_ptr, slot_ptr, pred_ptr, rows_ptr, fresh_ptr, out_ptr, row_counts_ptr,
-                             layer_counts_ptr, ids_ptr, extra_ptr, layer, K, s_out, s_slot_l, s_slot_r, s_pred_l,
-                             s_pred_r, s_rc, s_lc, K_PAD, True)
-    place_draft_row(b, attended, slot_ptr, rows_ptr, extra_ptr, layer, s_slot_l, s_slot_r,
+    _resident_row(b, sel_ptr, slot_ptr, pred_ptr, rows_ptr, fresh_ptr, out_ptr, row_counts_ptr, layer_counts_ptr,
+                  ids_ptr, extra_ptr, layer, K, s_out, s_slot_l, s_slot_r, s_pred_l, s_pred_r, s_rc, s_lc, K_PAD, True)
+    tl.debug_barrier()
+    place_draft_row(b, out_ptr + b * s_out, K, slot_ptr, rows_ptr, extra_ptr, layer, s_slot_l, s_slot_r,
                     kv_ptr, block_of_ptr, used_ptr, tail_ptr, offset_ptr, k_ptr, v_ptr, step_ptr,
-                    s_bl, s_br, s_ul, s_ur, s_kv_slot, s_k, W, KV_HALF, TOKEN, TOKEN_PAD, BLOCK_W, IDX_BITS, KEEP_CODE)
+                    s_bl, s_br, s_ul, s_ur, s_kv_slot, s_k, W, CHUNK, KV_HALF, TOKEN, TOKEN_PAD, BLOCK_W, IDX_BITS,
+                    KEEP_CODE)
 
 
 @triton.jit
