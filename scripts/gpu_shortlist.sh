@@ -15,9 +15,11 @@
 #   scripts/gpu_shortlist.sh eval4 OUTDIR  oasis with a 4x list (stalled on 2026-12-04 in ptxas, compiling the miss
 #                                          fill kernel; stacks are dumped if it runs past 420 s)
 #   scripts/gpu_shortlist.sh finer3 OUTDIR the finer selection (per KV head, 4-token summaries) with a 3x list
+#   scripts/gpu_shortlist.sh eval40 OUTDIR dense, quest and oasis with mass scores and a 3x list at 40 samples a task
+#                                          (the first 20 are eval's)
 #   The evals need the GGUF at /root/models (../shared/device/stage-smollm2.sh) and OASISKV_EVAL_CACHE=.carry/eval-cache.
 set -u -o pipefail
-USAGE="usage: scripts/gpu_shortlist.sh cost|tile|eval|eval-finer|eval4|finer3 OUTDIR"
+USAGE="usage: scripts/gpu_shortlist.sh cost|tile|eval|eval-finer|eval4|finer3|eval40 OUTDIR"
 WHAT=${1:?$USAGE}
 OUT=${2:?$USAGE}
 mkdir -p "$OUT"
@@ -51,6 +53,8 @@ else
             --json "$OUT/bf16_shortlist4.json" 2>&1 | quiet | tee "$OUT/bf16_shortlist4.log" | tail -60 ;;
     finer3) $E --modes quest,oasis --shortlist 3 --block-score mass --select-per kv-head --summary-tokens 4 \
             --json "$OUT/bf16_shortlist3_finer.json" 2>&1 | quiet | tee "$OUT/bf16_shortlist3_finer.log" | tail -40 ;;
+    eval40) $E --modes dense,quest,oasis --block-score mass --shortlist 3 --samples 40 \
+            --json "$OUT/bf16_shortlist3_40.json" 2>&1 | quiet | tee "$OUT/bf16_shortlist3_40.log" | tail -60 ;;
     *) echo "$USAGE" >&2; exit 2 ;;
   esac
 fi
