@@ -61,6 +61,9 @@ class Rule:
     # a second pass (0: none): the score keeps the best `shortlist` x budget tokens' blocks, and the exact attention
     # mass over those keys alone ranks them for the budget
     shortlist: float = 0
+    # the keys the second pass reads: "exact" (the pool's) or "fp8" (an e4m3 copy with one scale per block and KV
+    # head: what a list pass reading half the bytes would see)
+    list_keys: str = "exact"
 
     def at_layer(self, layer: int | None) -> "Rule | None":
         """The rule as this layer applies it: None where the layer is dense, else with the layer's budget."""
@@ -76,7 +79,8 @@ class Rule:
         rest = " + rest" if self.rest else ""
         dense = f" + layer {self.dense_layer} dense" if self.dense_layer is not None else ""
         if self.shortlist:
-            dense += f" + exact over {self.shortlist:g}x"
+            dense += f" + exact over {self.shortlist:g}x" + ("" if self.list_keys == "exact" else
+                                                             f" ({self.list_keys} keys)")
         if self.layer_budgets:
             dense += " + " + ", ".join(f"layer {layer} at {b}" for layer, b in self.layer_budgets) + \
                 f", others at {self.budget}"
@@ -185,7 +189,7 @@ def twin_attention(module, query, key, value, attention_mask, scaling=None, drop
     if rule is not None:
         scores = selection_scores(rule, head_scores(rule, q, k, logits.softmax(-1), scaling), group)
         if rule.shortlist:
-            scores = shortlist_scores(rule, scores, logits, group)
+            scores = shortlist_scores(rule, scores, list_logits(rule, logits, q, k, scaling, group), group)
         keep = selected_keys(rule, scores, s, s - sq)
         if rule.per_kv_head:
             keep = keep.repeat_interleave(group, 0)
@@ -220,6 +224,21 @@ def shortlist_scores(rule: Rule, scores: torch.Tensor, logits: torch.Tensor, gro
     on_list = torch.nn.functional.pad(listed, (0, pad)).view(listed.shape[0], sq, nb, rule.block).any(-1)
     on_list = on_list.view(-1, group, sq, nb).any(1) if rule.per_kv_head else on_list.any(0, keepdim=True)
     return selection_scores(rule, exact, group).masked_fill(~on_list, float("-inf"))
+
+
+def list_logits(rule: Rule, logits: torch.Tensor, q: torch.Tensor, k: torch.Tensor, scale: float,
+                group: int) -> torch.Tensor:
+    """The logits the second pass sees: `logits` as they are, or (list_keys "fp8") q against keys rounded to
+    float8 e4m3 with one scale per block and KV head (its largest |k| maps to e4m3's largest value, 448)."""
+    if rule.list_keys == "exact":
+        return logits
+    hkv, s, d = k.shape
+    nb = -(-s // rule.block)
+    blocks = torch.nn.functional.pad(k, (0, 0, 0, nb * rule.block - s)).view(hkv, nb, rule.block, d)
+    scales = blocks.abs().amax((2, 3), keepdim=True).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    rounded = ((blocks / scales).to(torch.float8_e4m3fn).float() * scales).view(hkv, nb * rule.block, d)[:, :s]
+    approx = (q @ rounded.repeat_interleave(group, 0).transpose(1, 2)) * scale
+    return approx.masked_fill(logits == float("-inf"), float("-inf"))
 
 
 def rest_estimated(rule: Rule, logits, keep, q, k, v, scale: float, group: int) -> torch.Tensor:
@@ -314,26 +333,28 @@ def parse_rules(args) -> list[Rule]:
             if -(-SINK_TOKENS // block) + -(-LOCAL_TOKENS // block) > args.budget // block:
                 raise SystemExit(f"error: sink and local window exceed the budget at block size {block}")
             for sub in [None, *sub_summaries(args, score, block)]:
-                for rest in rests(args):
-                    for combine in combines(args):
+                for rest in (r == "mean" for r in choices("--rest", args.rest, ("none", "mean"))):
+                    for combine in choices("--combine", args.combine, ("sum", "max")):
                         rules.append(Rule(score, block, False, args.budget, sub, combine, rest))
                     if args.per_kv_head:
                         rules.append(Rule(score, block, True, args.budget, sub, rest=rest))
     return rules
 
 
-def combines(args) -> list[str]:
-    combine = args.combine.split(",")
-    if not set(combine) <= {"sum", "max"}:
-        raise SystemExit(f"error: --combine takes sum and max, not {args.combine!r}")
-    return combine
+def choices(option: str, value: str, allowed: tuple[str, ...]) -> list[str]:
+    """A comma-separated option's values, each one of `allowed`."""
+    picked = value.split(",")
+    if not set(picked) <= set(allowed):
+        raise SystemExit(f"error: {option} takes {' and '.join(allowed)}, not {value!r}")
+    return picked
 
 
 def with_layer_variants(rules: list[Rule], args, num_layers: int) -> list[Rule]:
     """rules, then each again with every --shortlist, then all of those with one layer dense per layer
     (--ablate-layers), then each again with every --layer-budgets split."""
-    rules = rules + [dataclasses.replace(r, shortlist=f) for r in rules if r.score != "oracle"
-                     for f in shortlists(args)]
+    rules = rules + [dataclasses.replace(r, shortlist=f, list_keys=keys) for r in rules if r.score != "oracle"
+                     for f in shortlists(args)
+                     for keys in choices("--list-keys", args.list_keys, ("exact", "fp8"))]
     base = list(rules)
     if args.ablate_layers:
         rules = rules + [dataclasses.replace(r, dense_layer=layer) for r in base for layer in range(num_layers)]
@@ -358,6 +379,8 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> None:
                    "left out, each estimated by its mean key and value), e.g. none,mean")
     p.add_argument("--shortlist", default="", help="also each bound and mass rule with a second pass: its score keeps "
                    "this many times the budget, the exact attention mass over those keys picks the budget, e.g. 1.5,2")
+    p.add_argument("--list-keys", default="exact", help="with --shortlist: the keys the second pass reads, exact "
+                   "and/or fp8 (e4m3, one scale per block and KV head), e.g. exact,fp8")
     p.add_argument("--ablate-layers", action="store_true", help="also each rule with one layer dense, for every layer: "
                    "how much each layer's selection costs")
     p.add_argument("--layer-budgets", nargs="*", default=[], metavar="L=N[,L=N...]:OTHERS",
@@ -387,13 +410,6 @@ def shortlists(args) -> list[float]:
     if any(f < 1 for f in factors):
         raise SystemExit(f"error: --shortlist takes factors of the budget of at least 1, not {args.shortlist!r}")
     return factors
-
-
-def rests(args) -> list[bool]:
-    rest = args.rest.split(",")
-    if not set(rest) <= {"none", "mean"}:
-        raise SystemExit(f"error: --rest takes none and mean, not {args.rest!r}")
-    return [r == "mean" for r in rest]
 
 
 def sub_summaries(args, score: str, block: int) -> list[int]:

@@ -370,8 +370,51 @@ def test_a_shortlist_ranks_its_blocks_by_the_mass_of_a_softmax_over_its_keys_alo
 
 def test_the_shortlist_flag_adds_a_second_pass_to_bound_and_mass_rules_only():
     rules = [twin.Rule("mass", 16, False, 2048), twin.Rule("oracle", 16, False, 2048)]
-    args = argparse.Namespace(shortlist="2", ablate_layers=False, layer_budgets=[])
+    args = argparse.Namespace(shortlist="2", list_keys="exact", ablate_layers=False, layer_budgets=[])
     out = twin.with_layer_variants(rules, args, 30)
     assert [r.label for r in out] == ["mass block 16", "oracle block 16", "mass block 16 + exact over 2x"]
+    args.list_keys = "exact,fp8"
+    assert [r.label for r in twin.with_layer_variants(rules, args, 30)][2:] == [
+        "mass block 16 + exact over 2x", "mass block 16 + exact over 2x (fp8 keys)"]
     with pytest.raises(SystemExit, match="at least 1"):
-        twin.with_layer_variants(rules, argparse.Namespace(shortlist="0.5", ablate_layers=False, layer_budgets=[]), 30)
+        twin.with_layer_variants(rules, argparse.Namespace(shortlist="0.5", list_keys="exact", ablate_layers=False,
+                                                           layer_budgets=[]), 30)
+    with pytest.raises(SystemExit, match="--list-keys takes exact and fp8"):
+        twin.with_layer_variants(rules, argparse.Namespace(shortlist="2", list_keys="int4", ablate_layers=False,
+                                                           layer_budgets=[]), 30)
+
+
+def fp8_case(keys):
+    """q [4, 3, 8] against `keys` [2, S, 8] (2 KV heads), causal rows at the end, and the exact logits."""
+    q = torch.randn(4, 3, 8, generator=torch.Generator().manual_seed(5))
+    logits = q @ keys.repeat_interleave(2, 0).transpose(1, 2) * 0.5
+    causal = torch.arange(keys.shape[1])[None] <= (torch.arange(3) + keys.shape[1] - 3)[:, None]
+    return q, logits.masked_fill(~causal, float("-inf"))
+
+
+def test_fp8_list_keys_are_exact_where_e4m3_holds_every_key():
+    # keys in {0, +-1, +-2, +-4, +-8} with an 8 in every 8-token block and KV head: k / scale = 56 k, all in e4m3
+    gen = torch.Generator().manual_seed(4)
+    keys = (2.0 ** torch.randint(0, 4, (2, 40, 8), generator=gen)) * torch.randint(-1, 2, (2, 40, 8), generator=gen)
+    keys.view(2, 5, 8, 8)[:, :, 0, 0] = 8.0
+    q, logits = fp8_case(keys)
+    rule = twin.Rule("mass", 8, False, 16, shortlist=2, list_keys="fp8")
+    got = twin.list_logits(rule, logits, q, keys, 0.5, 2)
+    assert torch.equal(got == float("-inf"), logits == float("-inf"))
+    assert torch.allclose(got, logits, rtol=1e-5, atol=1e-5)
+    assert twin.list_logits(dataclasses.replace(rule, list_keys="exact"), logits, q, keys, 0.5, 2) is logits
+
+
+def test_fp8_list_keys_err_within_e4m3_rounding():
+    keys = torch.randn(2, 37, 8, generator=torch.Generator().manual_seed(6))  # a partial last block
+    q, logits = fp8_case(keys)
+    got = twin.list_logits(twin.Rule("mass", 8, False, 16, shortlist=2, list_keys="fp8"), logits, q, keys, 0.5, 2)
+    # per key element: half a unit in e4m3's 3 mantissa bits (2^-4 relative), or its subnormal step 2^-9 x scale
+    blocks = torch.nn.functional.pad(keys, (0, 0, 0, 3)).view(2, 5, 8, 8).abs().amax((2, 3)) / 448
+    scale = blocks.repeat_interleave(8, 1)[:, :37, None]
+    slack = keys.abs() * 2.0 ** -4 + scale * 2.0 ** -10
+    bound = q.abs() @ slack.repeat_interleave(2, 0).transpose(1, 2) * 0.5
+    finite = logits > float("-inf")
+    assert torch.equal(got > float("-inf"), finite)
+    err = (got - logits)[finite].abs()
+    assert (err <= bound[finite] * 1.0001 + 1e-6).all() and err.max() > 1e-4  # rounded, within the bound
