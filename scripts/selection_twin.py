@@ -61,8 +61,8 @@ class Rule:
     # a second pass (0: none): the score keeps the best `shortlist` x budget tokens' blocks, and the exact attention
     # mass over those keys alone ranks them for the budget
     shortlist: float = 0
-    # the keys the second pass reads: "exact" (the pool's) or "fp8" (an e4m3 copy with one scale per block and KV
-    # head: what a list pass reading half the bytes would see)
+    # the keys the second pass reads: "exact" (the pool's), "fp8" (an e4m3 copy with one scale per block and KV
+    # head: what a list pass reading half the bytes would see) or "fp8-token" (one scale per token and KV head)
     list_keys: str = "exact"
 
     def at_layer(self, layer: int | None) -> "Rule | None":
@@ -228,14 +228,16 @@ def shortlist_scores(rule: Rule, scores: torch.Tensor, logits: torch.Tensor, gro
 
 def list_logits(rule: Rule, logits: torch.Tensor, q: torch.Tensor, k: torch.Tensor, scale: float,
                 group: int) -> torch.Tensor:
-    """The logits the second pass sees: `logits` as they are, or (list_keys "fp8") q against keys rounded to
-    float8 e4m3 with one scale per block and KV head (its largest |k| maps to e4m3's largest value, 448)."""
+    """The logits the second pass sees: `logits` as they are, or q against keys rounded to float8 e4m3 with one
+    scale per block and KV head ("fp8") or per token and KV head ("fp8-token"): the largest |k| it covers maps to
+    e4m3's largest value, 448."""
     if rule.list_keys == "exact":
         return logits
     hkv, s, d = k.shape
     nb = -(-s // rule.block)
     blocks = torch.nn.functional.pad(k, (0, 0, 0, nb * rule.block - s)).view(hkv, nb, rule.block, d)
-    scales = blocks.abs().amax((2, 3), keepdim=True).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    over = (2, 3) if rule.list_keys == "fp8" else (3,)
+    scales = blocks.abs().amax(over, keepdim=True).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
     rounded = ((blocks / scales).to(torch.float8_e4m3fn).float() * scales).view(hkv, nb * rule.block, d)[:, :s]
     approx = (q @ rounded.repeat_interleave(group, 0).transpose(1, 2)) * scale
     return approx.masked_fill(logits == float("-inf"), float("-inf"))
@@ -354,7 +356,7 @@ def with_layer_variants(rules: list[Rule], args, num_layers: int) -> list[Rule]:
     (--ablate-layers), then each again with every --layer-budgets split."""
     rules = rules + [dataclasses.replace(r, shortlist=f, list_keys=keys) for r in rules if r.score != "oracle"
                      for f in shortlists(args)
-                     for keys in choices("--list-keys", args.list_keys, ("exact", "fp8"))]
+                     for keys in choices("--list-keys", args.list_keys, ("exact", "fp8", "fp8-token"))]
     base = list(rules)
     if args.ablate_layers:
         rules = rules + [dataclasses.replace(r, dense_layer=layer) for r in base for layer in range(num_layers)]
@@ -379,8 +381,8 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> None:
                    "left out, each estimated by its mean key and value), e.g. none,mean")
     p.add_argument("--shortlist", default="", help="also each bound and mass rule with a second pass: its score keeps "
                    "this many times the budget, the exact attention mass over those keys picks the budget, e.g. 1.5,2")
-    p.add_argument("--list-keys", default="exact", help="with --shortlist: the keys the second pass reads, exact "
-                   "and/or fp8 (e4m3, one scale per block and KV head), e.g. exact,fp8")
+    p.add_argument("--list-keys", default="exact", help="with --shortlist: the keys the second pass reads, exact, "
+                   "fp8 (e4m3, one scale per block and KV head) and/or fp8-token (a scale per token), e.g. exact,fp8")
     p.add_argument("--ablate-layers", action="store_true", help="also each rule with one layer dense, for every layer: "
                    "how much each layer's selection costs")
     p.add_argument("--layer-budgets", nargs="*", default=[], metavar="L=N[,L=N...]:OTHERS",

@@ -379,7 +379,7 @@ def test_the_shortlist_flag_adds_a_second_pass_to_bound_and_mass_rules_only():
     with pytest.raises(SystemExit, match="at least 1"):
         twin.with_layer_variants(rules, argparse.Namespace(shortlist="0.5", list_keys="exact", ablate_layers=False,
                                                            layer_budgets=[]), 30)
-    with pytest.raises(SystemExit, match="--list-keys takes exact and fp8"):
+    with pytest.raises(SystemExit, match="--list-keys takes exact and fp8 and fp8-token"):
         twin.with_layer_variants(rules, argparse.Namespace(shortlist="2", list_keys="int4", ablate_layers=False,
                                                            layer_budgets=[]), 30)
 
@@ -405,13 +405,17 @@ def test_fp8_list_keys_are_exact_where_e4m3_holds_every_key():
     assert twin.list_logits(dataclasses.replace(rule, list_keys="exact"), logits, q, keys, 0.5, 2) is logits
 
 
-def test_fp8_list_keys_err_within_e4m3_rounding():
+@pytest.mark.parametrize("per", ["fp8", "fp8-token"])
+def test_fp8_list_keys_err_within_e4m3_rounding(per):
     keys = torch.randn(2, 37, 8, generator=torch.Generator().manual_seed(6))  # a partial last block
     q, logits = fp8_case(keys)
-    got = twin.list_logits(twin.Rule("mass", 8, False, 16, shortlist=2, list_keys="fp8"), logits, q, keys, 0.5, 2)
+    got = twin.list_logits(twin.Rule("mass", 8, False, 16, shortlist=2, list_keys=per), logits, q, keys, 0.5, 2)
     # per key element: half a unit in e4m3's 3 mantissa bits (2^-4 relative), or its subnormal step 2^-9 x scale
-    blocks = torch.nn.functional.pad(keys, (0, 0, 0, 3)).view(2, 5, 8, 8).abs().amax((2, 3)) / 448
-    scale = blocks.repeat_interleave(8, 1)[:, :37, None]
+    if per == "fp8":
+        blocks = torch.nn.functional.pad(keys, (0, 0, 0, 3)).view(2, 5, 8, 8).abs().amax((2, 3)) / 448
+        scale = blocks.repeat_interleave(8, 1)[:, :37, None]
+    else:
+        scale = keys.abs().amax(2, keepdim=True) / 448
     slack = keys.abs() * 2.0 ** -4 + scale * 2.0 ** -10
     bound = q.abs() @ slack.repeat_interleave(2, 0).transpose(1, 2) * 0.5
     finite = logits > float("-inf")
