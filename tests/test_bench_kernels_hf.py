@@ -46,11 +46,13 @@ def test_bench_kernels_runs_the_references(tmp_path, capsys):
         assert s["score_select_ms_per_step"] == pytest.approx(3 * s["score_select_us_per_layer"] / 1000, rel=1e-2)
         assert s["mass_select_ms_per_step"] == pytest.approx(3 * s["mass_select_us_per_layer"] / 1000, rel=1e-2)
         assert s["summary_mb"] == pytest.approx(s["batch"] * 32 * 2 * 2 * 16 * 4 / 1e6, rel=1e-3)  # fp32 min, max
-    assert [s["batch"] for s in r["shortlist"]] == [1, 2]
-    for s in r["shortlist"]:  # a list of 2 x the budget's 10 blocks; keys in fp32 (the CPU runs the twin: the
-        # kernel against it and a brute force is tests/test_kernel_shortlist_mass.py)
+    assert [(s["batch"], s["keys"]) for s in r["shortlist"]] == [(1, "float32"), (1, "fp8"), (2, "float32"),
+                                                                 (2, "fp8")]
+    for s in r["shortlist"]:  # a list of 2 x the budget's 10 blocks; keys in fp32, or e4m3 with an fp32 scale a
+        # token (the CPU runs the twin: the kernel against it and a brute force is tests/test_kernel_shortlist_mass.py)
         assert s["listed_blocks"] == 20 and s["us"] > 0
-        assert s["key_mb"] == pytest.approx(s["batch"] * 20 * 16 * 2 * 16 * 4 / 1e6, rel=1e-3)
+        token_bytes = 16 * 4 if s["keys"] == "float32" else 16 + 4
+        assert s["key_mb"] == pytest.approx(s["batch"] * 20 * 16 * 2 * token_bytes / 1e6, rel=1e-3)
     printed = capsys.readouterr().out
     assert "sparse decode attention" in printed and "shortlist pass" in printed
 

@@ -6,7 +6,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from oasiskv.kernels.shortlist_mass import (listed_mass, shortlist_block_lse,  # noqa: E402
+from oasiskv.kernels.shortlist_mass import (fp8_key_copy, listed_mass, shortlist_block_lse,  # noqa: E402
                                             shortlist_block_lse_reference)
 
 from tests.kernel_device import DEV, run_without_interpreter  # noqa: E402
@@ -86,6 +86,33 @@ def test_block_lse_in_fp16_follows_fp32():
     torch.testing.assert_close(got[finite], expect[finite], atol=2e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("shape", SHAPES[:3])
+@pytest.mark.parametrize("lse", [shortlist_block_lse, shortlist_block_lse_reference])
+def test_block_lse_over_fp8_keys_equals_brute_force_on_those_keys(lse, shape):
+    """With fp8_keys the keys read are the e4m3 copy times its per-token scales: the brute force over a pool whose
+    keys are those values gives the same sums."""
+    q, pool, tables, listed, lens = random_case(*shape, seed=sum(shape) + 1)
+    keys, scales = fp8_key_copy(pool)
+    dequantized = pool.clone()
+    dequantized[:, 0] = keys.float() * scales[..., None]
+    got = lse(q, pool, tables, listed, lens, 0.3, fp8_keys=(keys, scales))
+    expect = brute_force(*(t.cpu() for t in (q, dequantized, tables, listed, lens)), 0.3)
+    assert torch.equal(torch.isinf(got.cpu()), torch.isinf(expect))
+    finite = torch.isfinite(expect)
+    torch.testing.assert_close(got.cpu()[finite].double(), expect[finite], atol=1e-4, rtol=1e-5)
+
+
+def test_fp8_key_copy_rounds_each_key_within_e4m3():
+    pool = random_case(3, 4, 2, 8, 5, seed=2)[1].cpu()
+    keys, scales = fp8_key_copy(pool)
+    exact = pool[:, 0]
+    assert keys.dtype == torch.float8_e4m3fn and keys.shape == exact.shape and scales.shape == exact.shape[:3]
+    torch.testing.assert_close(scales, exact.abs().amax(-1) / 448)  # each token's largest |k| maps to 448
+    err = (keys.float() * scales[..., None] - exact).abs()
+    # half a unit of e4m3's 3 mantissa bits (2^-4 relative), or half its subnormal step (2^-10) x the scale
+    assert (err <= exact.abs() * 2.0 ** -4 + scales[..., None] * 2.0 ** -10 + 1e-7).all() and err.max() > 1e-3
+
+
 def test_listed_mass_is_each_blocks_share_of_a_softmax_over_the_listed_keys():
     q, pool, tables, listed, lens = (t.cpu() for t in random_case(2, 4, 2, 8, 6, seed=5))
     scores = listed_mass(shortlist_block_lse_reference(q, pool, tables, listed, lens, 0.5), kv_heads=2)
@@ -118,6 +145,11 @@ def test_rejects_bad_arguments():
         shortlist_block_lse(q, pool, tables, listed, lens, 1.0, cols=3)
     with pytest.raises(ValueError, match="seq_lens must be int32"):
         shortlist_block_lse_reference(q, pool, tables, listed, lens[:1], 1.0)
+    keys, scales = fp8_key_copy(pool)
+    with pytest.raises(ValueError, match="fp8 keys must be float8_e4m3fn"):
+        shortlist_block_lse(q, pool, tables, listed, lens, 1.0, fp8_keys=(keys.float(), scales))
+    with pytest.raises(ValueError, match="fp8 key scales must be float32"):
+        shortlist_block_lse_reference(q, pool, tables, listed, lens, 1.0, fp8_keys=(keys, scales[:, :1]))
 
 
 def test_block_lse_kernel_compiles_for_the_h200():
@@ -125,4 +157,5 @@ def test_block_lse_kernel_compiles_for_the_h200():
     SmolLM2's 3 and 64)."""
     run_without_interpreter("from oasiskv.kernels.shortlist_mass import compile_for\n"
                             "assert compile_for(90, 4, 128).asm['cubin']\n"
-                            "assert compile_for(90, 3, 64).asm['cubin']\n")
+                            "assert compile_for(90, 3, 64).asm['cubin']\n"
+                            "assert compile_for(90, 4, 128, fp8=True).asm['cubin']\n")

@@ -1,7 +1,9 @@
 """The shortlist's second pass (kernels/shortlist_mass.py) in `oasiskv bench kernels`: per request a list of
 `factor` x the budget's blocks at random places of a `context`-token sequence; the kernel reads each listed
 block's keys once. GB/s of those keys against the device-to-device copy, per chunk width (listed blocks per
-program), replayed from a CUDA graph over inputs larger than the L2 on the GPU; checked against the torch twin."""
+program), replayed from a CUDA graph over inputs larger than the L2 on the GPU; checked against the torch twin. A last
+row reads fp8_key_copy's e4m3 keys and per-token scales instead (the list pass at half the key bytes), at the default
+width; its error is against the twin on the same fp8 keys."""
 from __future__ import annotations
 
 import math
@@ -11,7 +13,7 @@ import torch
 from oasiskv.bench.ceilings import timed_ms
 from oasiskv.bench.kernel_paged_decode import make_case
 from oasiskv.bench.report import sig
-from oasiskv.kernels.shortlist_mass import shortlist_block_lse, shortlist_block_lse_reference
+from oasiskv.kernels.shortlist_mass import fp8_key_copy, shortlist_block_lse, shortlist_block_lse_reference
 
 BLOCK = 16
 COLS = (1, 4, 8, 16)  # listed blocks per program (the default: 128 // BLOCK)
@@ -36,13 +38,19 @@ def bench_shortlist(batch: int, context: int, budget: int, factor: float, shapes
     key_bytes = batch * width * BLOCK * shapes["kv_heads"] * shapes["head_dim"] * dtype.itemsize
     rotations = max(1, math.ceil((256 << 20) / key_bytes)) if device.type == "cuda" else 1  # L2 is 60 MB
     cases = shortlist_cases(batch, context, width, shapes, dtype, device, rotations)
-    ref = shortlist_block_lse_reference(*cases[0])
+    fp8 = fp8_key_copy(cases[0][1])  # one pool for every rotation
+    fp8_bytes = batch * width * BLOCK * shapes["kv_heads"] * (shapes["head_dim"] + 4)  # e4m3 keys, fp32 scales
     rows = []
-    for cols in COLS if device.type == "cuda" else (None,):
-        lse = (lambda *a: shortlist_block_lse(*a, cols=cols)) if cols else shortlist_block_lse_reference
+    variants = [(cols, False) for cols in COLS] + [(8, True)] if device.type == "cuda" else [(0, False), (0, True)]
+    for cols, with_fp8 in variants:
+        extra = {"fp8_keys": fp8} if with_fp8 else {}
+        ref = shortlist_block_lse_reference(*cases[0], **extra)
+        lse = (lambda *a: shortlist_block_lse(*a, cols=cols, **extra)) if cols != 0 else \
+            (lambda *a: shortlist_block_lse_reference(*a, **extra))
         out = lse(*cases[0])
         err = (out - ref).abs().max().item()
-        row = {"batch": batch, "listed_blocks": width, "cols": cols or "-", "key_mb": sig(key_bytes / 1e6),
+        row = {"batch": batch, "listed_blocks": width, "keys": "fp8" if with_fp8 else str(dtype).split(".")[-1],
+               "cols": cols or "-", "key_mb": sig((fp8_bytes if with_fp8 else key_bytes) / 1e6),
                "max_abs_err": sig(err), "correct": bool(err < 5e-2 and torch.isfinite(out).all())}
         if device.type == "cuda":
             from triton.testing import do_bench_cudagraph
@@ -53,6 +61,7 @@ def bench_shortlist(batch: int, context: int, budget: int, factor: float, shapes
             us = do_bench_cudagraph(all_cases, rep=50, return_mode="median") * 1000 / rotations
         else:
             us = 1000 * timed_ms(lambda: lse(*cases[0]), device)
-        row.update(us=sig(us), gbps=sig(key_bytes / us / 1e3), vs_copy=sig(key_bytes / us / 1e3 / copy_gbps))
+        read = fp8_bytes if with_fp8 else key_bytes
+        row.update(us=sig(us), gbps=sig(read / us / 1e3), vs_copy=sig(read / us / 1e3 / copy_gbps))
         rows.append(row)
     return rows

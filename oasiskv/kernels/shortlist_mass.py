@@ -21,14 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["listed_mass", "shortlist_block_lse", "shortlist_block_lse_reference"]
+__all__ = ["fp8_key_copy", "listed_mass", "shortlist_block_lse", "shortlist_block_lse_reference"]
 
 
 @triton.jit
-def _block_lse_kernel(q_ptr, kv_ptr, tables_ptr, listed_ptr, lens_ptr, out_ptr, scale,
-                      s_qb, s_qh, s_kvb, s_kvt, s_kvh, s_tb, s_lb, s_ob, s_oh, GROUP, D, WIDTH,
+def _block_lse_kernel(q_ptr, kv_ptr, tables_ptr, listed_ptr, lens_ptr, out_ptr, scale, ks_ptr,
+                      s_qb, s_qh, s_kvb, s_kvt, s_kvh, s_tb, s_lb, s_ob, s_oh, s_ksb, s_kst, GROUP, D, WIDTH,
                       BLOCK: tl.constexpr, COLS: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr):
+                      DOT_PRECISION: tl.constexpr, SCALED: tl.constexpr):
     b, h, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g, d = tl.arange(0, G_PAD), tl.arange(0, D_PAD)
     r = tl.arange(0, COLS * BLOCK)  # the key tile's rows: listed column chunk * COLS + r // BLOCK, token r % BLOCK
@@ -42,7 +42,12 @@ def _block_lse_kernel(q_ptr, kv_ptr, tables_ptr, listed_ptr, lens_ptr, out_ptr, 
                 other=0.0)
     k = tl.load(kv_ptr + physical[:, None] * s_kvb + (r % BLOCK)[:, None] * s_kvt + h * s_kvh + d[None, :],
                 mask=valid[:, None] & (d[None, :] < D), other=0.0)  # K: index 0 of dim 1
-    logits = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=DOT_PRECISION) * scale  # [G_PAD, COLS * BLOCK]
+    if SCALED:  # fp8 keys: widened to q's dtype for the product, then each key's own scale
+        logits = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+        key_scale = tl.load(ks_ptr + physical * s_ksb + (r % BLOCK) * s_kst + h, mask=valid, other=0.0)
+        logits = logits * (key_scale[None, :] * scale)
+    else:
+        logits = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=DOT_PRECISION) * scale  # [G_PAD, COLS * BLOCK]
     logits = tl.reshape(tl.where(valid[None, :], logits, float("-inf")), (G_PAD, COLS, BLOCK))
     top = tl.max(logits, axis=2)
     top = tl.where(top == float("-inf"), 0.0, top)  # an empty column: log(0) = -inf below, not nan
@@ -53,12 +58,16 @@ def _block_lse_kernel(q_ptr, kv_ptr, tables_ptr, listed_ptr, lens_ptr, out_ptr, 
 
 
 def shortlist_block_lse(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor, listed: torch.Tensor,
-                        seq_lens: torch.Tensor, scale: float, cols: int | None = None) -> torch.Tensor:
+                        seq_lens: torch.Tensor, scale: float, cols: int | None = None,
+                        fp8_keys: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """fp32 [B, Hq, W]: per query head, the log-sum-exp of its logits over each listed block's keys.
     q [B, Hq, D]; kv_layer [blocks, 2, block_size, Hkv, D]; tables int32 [B, max_blocks] (logical -> physical);
     listed int32 [B, W] logical ids, -1 = none; seq_lens int32 [B], the new token included. `cols`: listed blocks
-    per program (a power of two; default: a key tile of 128 rows)."""
+    per program (a power of two; default: a key tile of 128 rows). `fp8_keys`: (keys float8_e4m3fn [blocks,
+    block_size, Hkv, D], scales fp32 [blocks, block_size, Hkv]) as fp8_key_copy makes them, read in place of
+    kv_layer's keys (half the bytes)."""
     _check(q, kv_layer, tables, listed, seq_lens)
+    _check_fp8(kv_layer, fp8_keys)
     bsz, hq, d = q.shape
     _, _, block, hkv, _ = kv_layer.shape
     width = listed.shape[1]
@@ -69,11 +78,14 @@ def shortlist_block_lse(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.T
     if cols & (cols - 1) or cols * block < 16:
         raise ValueError(f"cols must be a power of two with cols x block_size >= 16 (tl.dot), got {cols} x {block}")
     group = hq // hkv
+    keys, key_scales = fp8_keys or (kv_layer, out)  # out: an unread stand-in for the scales
+    strides = (keys.stride(0), keys.stride(1), keys.stride(2)) if fp8_keys else \
+        (kv_layer.stride(0), kv_layer.stride(2), kv_layer.stride(3))
     _block_lse_kernel[(bsz, hkv, triton.cdiv(width, cols))](
-        q, kv_layer, tables, listed, seq_lens, out, scale,
-        q.stride(0), q.stride(1), kv_layer.stride(0), kv_layer.stride(2), kv_layer.stride(3), tables.stride(0),
-        listed.stride(0), out.stride(0), out.stride(1), group, d, width,
-        **_meta(block, cols, group, d, q.dtype == torch.float32), num_warps=4)
+        q, keys, tables, listed, seq_lens, out, scale, key_scales,
+        q.stride(0), q.stride(1), *strides, tables.stride(0), listed.stride(0), out.stride(0), out.stride(1),
+        key_scales.stride(0) if fp8_keys else 0, key_scales.stride(1) if fp8_keys else 0, group, d, width,
+        **_meta(block, cols, group, d, q.dtype == torch.float32), SCALED=fp8_keys is not None, num_warps=4)
     return out
 
 
@@ -89,18 +101,33 @@ def _meta(block: int, cols: int, group: int, head_dim: int, fp32: bool) -> dict:
 
 
 def shortlist_block_lse_reference(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor,
-                                  listed: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                                  listed: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                                  fp8_keys: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Torch twin of shortlist_block_lse (fixed shapes, no host sync)."""
     _check(q, kv_layer, tables, listed, seq_lens)
+    _check_fp8(kv_layer, fp8_keys)
     bsz, hq, d = q.shape
     _, _, block, hkv, _ = kv_layer.shape
     physical = tables.long().gather(1, listed.long().clamp(min=0))  # [B, W]
-    keys = kv_layer[physical.clamp(min=0), 0].float()  # [B, W, block, Hkv, D]
+    if fp8_keys:
+        keys = fp8_keys[0][physical.clamp(min=0)].float() * fp8_keys[1][physical.clamp(min=0)][..., None]
+    else:
+        keys = kv_layer[physical.clamp(min=0), 0].float()  # [B, W, block, Hkv, D]
     logits = torch.einsum("bhgd,bwthd->bhgwt", q.float().view(bsz, hkv, hq // hkv, d), keys) * scale
     positions = listed.long()[:, :, None] * block + torch.arange(block, device=q.device)
     valid = (listed[:, :, None] >= 0) & (positions < seq_lens.long()[:, None, None]) & (physical[:, :, None] >= 0)
     logits = logits.masked_fill(~valid[:, None, None], float("-inf"))
     return torch.logsumexp(logits, -1).reshape(bsz, hq, listed.shape[1])
+
+
+def fp8_key_copy(kv_layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_layer [blocks, 2, block_size, Hkv, D] -> its keys as float8 e4m3 [blocks, block_size, Hkv, D] and one fp32
+    scale per token and KV head [blocks, block_size, Hkv] (the token's largest |k| maps to e4m3's largest, 448): the
+    copy shortlist_block_lse(fp8_keys=...) reads. A scale per token is what a write of one token can keep; in the
+    twin (docs/ACCURACY.md, "The list pass over fp8 keys") such keys ranked the list as the exact keys did."""
+    keys = kv_layer[:, 0].float()
+    scales = keys.abs().amax(-1).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    return (keys / scales[..., None]).to(torch.float8_e4m3fn), scales
 
 
 def listed_mass(block_lse: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -130,11 +157,27 @@ def _check(q, kv_layer, tables, listed, seq_lens) -> None:
         raise ValueError("tables and listed must be contiguous along their last dimension")
 
 
-def compile_for(arch: int, group: int, head_dim: int, block: int = 16):
-    """_block_lse_kernel compiled ahead of time (kernels/aot.py) for a model's query group and head size."""
+def _check_fp8(kv_layer, fp8_keys) -> None:
+    if fp8_keys is None:
+        return
+    keys, scales = fp8_keys
+    blocks, _, block, hkv, d = kv_layer.shape
+    if keys.dtype != torch.float8_e4m3fn or tuple(keys.shape) != (blocks, block, hkv, d) or keys.stride(3) != 1:
+        raise ValueError(f"fp8 keys must be float8_e4m3fn {(blocks, block, hkv, d)}, contiguous along head_dim; got "
+                         f"{keys.dtype} {tuple(keys.shape)}")
+    if scales.dtype != torch.float32 or tuple(scales.shape) != (blocks, block, hkv) or scales.stride(2) != 1:
+        raise ValueError(f"fp8 key scales must be float32 {(blocks, block, hkv)}, got {scales.dtype} "
+                         f"{tuple(scales.shape)}")
+    if keys.device != kv_layer.device or scales.device != kv_layer.device:
+        raise ValueError("fp8 keys and scales must be on kv_layer's device")
+
+
+def compile_for(arch: int, group: int, head_dim: int, block: int = 16, fp8: bool = False):
+    """_block_lse_kernel compiled ahead of time (kernels/aot.py) for a model's query group and head size; `fp8`:
+    the variant that reads fp8_key_copy's keys."""
     from oasiskv.kernels.aot import compile_ahead
 
     pointers = {n: "*i32" for n in ("tables_ptr", "listed_ptr", "lens_ptr")}
-    pointers.update(q_ptr="*bf16", kv_ptr="*bf16", out_ptr="*fp32")
-    meta = _meta(block, _tile_cols(block, 1 << 10), group, head_dim, fp32=False)
+    pointers.update(q_ptr="*bf16", kv_ptr="*fp8e4nv" if fp8 else "*bf16", out_ptr="*fp32", ks_ptr="*fp32")
+    meta = dict(_meta(block, _tile_cols(block, 1 << 10), group, head_dim, fp32=False), SCALED=fp8)
     return compile_ahead(_block_lse_kernel, pointers, meta, arch, num_warps=4, scalars={"scale": "fp32"})
