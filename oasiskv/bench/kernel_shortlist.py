@@ -3,7 +3,7 @@
 block's keys once. GB/s of those keys against the device-to-device copy, per chunk width (listed blocks per
 program), replayed from a CUDA graph over inputs larger than the L2 on the GPU; checked against the torch twin. A last
 row reads fp8_key_copy's e4m3 keys and per-token scales instead (the list pass at half the key bytes), at the default
-width; its error is against the twin on the same fp8 keys."""
+width (8 blocks a program); its error is against the twin on the same fp8 keys."""
 from __future__ import annotations
 
 import math
@@ -41,11 +41,12 @@ def bench_shortlist(batch: int, context: int, budget: int, factor: float, shapes
     fp8 = fp8_key_copy(cases[0][1])  # one pool for every rotation
     fp8_bytes = batch * width * BLOCK * shapes["kv_heads"] * (shapes["head_dim"] + 4)  # e4m3 keys, fp32 scales
     rows = []
-    variants = [(cols, False) for cols in COLS] + [(8, True)] if device.type == "cuda" else [(0, False), (0, True)]
+    # (listed blocks a program, fp8 keys); on the CPU the twin (cols None) runs instead of the kernel
+    variants = [(cols, False) for cols in COLS] + [(8, True)] if device.type == "cuda" else [(None, False), (None, True)]
     for cols, with_fp8 in variants:
         extra = {"fp8_keys": fp8} if with_fp8 else {}
         ref = shortlist_block_lse_reference(*cases[0], **extra)
-        lse = (lambda *a: shortlist_block_lse(*a, cols=cols, **extra)) if cols != 0 else \
+        lse = (lambda *a: shortlist_block_lse(*a, cols=cols, **extra)) if cols else \
             (lambda *a: shortlist_block_lse_reference(*a, **extra))
         out = lse(*cases[0])
         err = (out - ref).abs().max().item()

@@ -66,7 +66,7 @@ def _resident_draft_kernel(sel_ptr, slot_ptr, pred_ptr, rows_ptr, fresh_ptr, out
 def _resident_row(b, sel_ptr, slot_ptr, pred_ptr, rows_ptr, fresh_ptr, out_ptr, row_counts_ptr, layer_counts_ptr,
                   ids_ptr, extra_ptr, layer, K, s_out, s_slot_l, s_slot_r, s_pred_l, s_pred_r, s_rc, s_lc,
                   K_PAD: tl.constexpr, EXTRA: tl.constexpr):
-    """Row b's output and counters; returns its attended blocks (K_PAD of them, -1 past K)."""
+    """Row b's output and counters."""
     j = tl.arange(0, K_PAD)
     in_row = j < K
     sel = tl.load(sel_ptr + b * K + j, mask=in_row, other=-1)
@@ -90,7 +90,6 @@ def _resident_row(b, sel_ptr, slot_ptr, pred_ptr, rows_ptr, fresh_ptr, out_ptr, 
     _add(row_counts_ptr + r * s_rc, layer_counts_ptr + layer * s_lc, ids_ptr, 2, selected - hits)
     _add(row_counts_ptr + r * s_rc, layer_counts_ptr + layer * s_lc, ids_ptr, 3, agree_hits)
     _add(row_counts_ptr + r * s_rc, layer_counts_ptr + layer * s_lc, ids_ptr, 4, agree_total)
-    return attended
 
 
 @triton.jit
