@@ -10,8 +10,8 @@ def force_gpu_kernel_paths() -> None:
     import oasiskv.policies.oasis as op
     import oasiskv.policies.sparse as sp
     import oasiskv.policies.tiered as tp
-    from oasiskv.kernels import (block_mass, block_select, block_topk, draft_kv, host_gather, miss_fill, residency,
-                                 rotary, shortlist_mass, sparse_decode, tail_append)
+    from oasiskv.kernels import (block_mass, block_select, block_topk, draft_kv, host_gather, list_scores, miss_fill,
+                                 residency, rotary, shortlist_mass, sparse_decode, tail_append)
     from oasiskv.kv import summaries, working_set
 
     llama.apply_rotary_qk_reference = rotary.apply_rotary_qk  # bit for bit the torch ops, so tokens stay equal
@@ -22,6 +22,7 @@ def force_gpu_kernel_paths() -> None:
     sp.block_scores_multi_reference = block_select.block_scores_multi
     sp.block_mass_scores_multi_reference = block_mass.block_mass_scores_multi
     sp.shortlist_block_lse_reference = shortlist_mass.shortlist_block_lse
+    sp.listed_scores_reference = list_scores.listed_scores
     op.predict_prefetch_reference = block_topk.predict_prefetch
     op.resident_selection_reference = residency.resident_selection
     op.fill_misses_reference = miss_fill.fill_misses

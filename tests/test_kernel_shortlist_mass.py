@@ -102,6 +102,20 @@ def test_block_lse_over_fp8_keys_equals_brute_force_on_those_keys(lse, shape):
     torch.testing.assert_close(got.cpu()[finite].double(), expect[finite], atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("shape", SHAPES[:3])
+def test_block_lse_over_fp8_keys_in_fp16_equals_brute_force_on_fp16_queries(shape):
+    """widen_f16: the e4m3 keys (exact in fp16) times the query rounded to fp16, summed in fp32."""
+    q, pool, tables, listed, lens = random_case(*shape, seed=sum(shape) + 2)
+    keys, scales = fp8_key_copy(pool)
+    dequantized = pool.clone()
+    dequantized[:, 0] = keys.float() * scales[..., None]
+    got = shortlist_block_lse(q, pool, tables, listed, lens, 0.3, fp8_keys=(keys, scales), widen_f16=True)
+    expect = brute_force(q.cpu().half().float(), *(t.cpu() for t in (dequantized, tables, listed, lens)), 0.3)
+    assert torch.equal(torch.isinf(got.cpu()), torch.isinf(expect))
+    finite = torch.isfinite(expect)
+    torch.testing.assert_close(got.cpu()[finite].double(), expect[finite], atol=1e-4, rtol=1e-5)
+
+
 def test_fp8_key_copy_rounds_each_key_within_e4m3():
     pool = random_case(3, 4, 2, 8, 5, seed=2)[1].cpu()
     keys, scales = fp8_key_copy(pool)
@@ -158,4 +172,5 @@ def test_block_lse_kernel_compiles_for_the_h200():
     run_without_interpreter("from oasiskv.kernels.shortlist_mass import compile_for\n"
                             "assert compile_for(90, 4, 128).asm['cubin']\n"
                             "assert compile_for(90, 3, 64).asm['cubin']\n"
-                            "assert compile_for(90, 4, 128, fp8=True).asm['cubin']\n")
+                            "assert compile_for(90, 4, 128, fp8=True).asm['cubin']\n"
+                            "assert compile_for(90, 4, 128, fp8=True, widen_f16=True).asm['cubin']\n")

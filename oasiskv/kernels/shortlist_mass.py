@@ -28,7 +28,7 @@ __all__ = ["fp8_key_copy", "listed_mass", "shortlist_block_lse", "shortlist_bloc
 def _block_lse_kernel(q_ptr, kv_ptr, tables_ptr, listed_ptr, lens_ptr, out_ptr, scale, ks_ptr,
                       s_qb, s_qh, s_kvb, s_kvt, s_kvh, s_tb, s_lb, s_ob, s_oh, s_ksb, s_kst, GROUP, D, WIDTH,
                       BLOCK: tl.constexpr, COLS: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr, SCALED: tl.constexpr):
+                      DOT_PRECISION: tl.constexpr, SCALED: tl.constexpr, WIDEN_F16: tl.constexpr = False):
     b, h, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     g, d = tl.arange(0, G_PAD), tl.arange(0, D_PAD)
     r = tl.arange(0, COLS * BLOCK)  # the key tile's rows: listed column chunk * COLS + r // BLOCK, token r % BLOCK
@@ -42,8 +42,11 @@ def _block_lse_kernel(q_ptr, kv_ptr, tables_ptr, listed_ptr, lens_ptr, out_ptr, 
                 other=0.0)
     k = tl.load(kv_ptr + physical[:, None] * s_kvb + (r % BLOCK)[:, None] * s_kvt + h * s_kvh + d[None, :],
                 mask=valid[:, None] & (d[None, :] < D), other=0.0)  # K: index 0 of dim 1
-    if SCALED:  # fp8 keys: widened to q's dtype for the product, then each key's own scale
-        logits = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+    if SCALED:  # fp8 keys: widened to q's dtype (or fp16: one conversion on sm_90), then each key's own scale
+        if WIDEN_F16:
+            logits = tl.dot(q.to(tl.float16), tl.trans(k.to(tl.float16)))
+        else:
+            logits = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
         key_scale = tl.load(ks_ptr + physical * s_ksb + (r % BLOCK) * s_kst + h, mask=valid, other=0.0)
         logits = logits * (key_scale[None, :] * scale)
     else:
@@ -59,13 +62,15 @@ def _block_lse_kernel(q_ptr, kv_ptr, tables_ptr, listed_ptr, lens_ptr, out_ptr, 
 
 def shortlist_block_lse(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor, listed: torch.Tensor,
                         seq_lens: torch.Tensor, scale: float, cols: int | None = None,
-                        fp8_keys: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                        fp8_keys: tuple[torch.Tensor, torch.Tensor] | None = None, widen_f16: bool = False,
+                        num_warps: int = 4) -> torch.Tensor:
     """fp32 [B, Hq, W]: per query head, the log-sum-exp of its logits over each listed block's keys.
     q [B, Hq, D]; kv_layer [blocks, 2, block_size, Hkv, D]; tables int32 [B, max_blocks] (logical -> physical);
     listed int32 [B, W] logical ids, -1 = none; seq_lens int32 [B], the new token included. `cols`: listed blocks
     per program (a power of two; default: a key tile of 128 rows). `fp8_keys`: (keys float8_e4m3fn [blocks,
     block_size, Hkv, D], scales fp32 [blocks, block_size, Hkv]) as fp8_key_copy makes them, read in place of
-    kv_layer's keys (half the bytes)."""
+    kv_layer's keys (half the bytes); `widen_f16`: their product in fp16 rather than q's dtype (q must fit fp16's
+    range: nothing checks it)."""
     _check(q, kv_layer, tables, listed, seq_lens)
     _check_fp8(kv_layer, fp8_keys)
     bsz, hq, d = q.shape
@@ -85,7 +90,8 @@ def shortlist_block_lse(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.T
         q, keys, tables, listed, seq_lens, out, scale, key_scales,
         q.stride(0), q.stride(1), *strides, tables.stride(0), listed.stride(0), out.stride(0), out.stride(1),
         key_scales.stride(0) if fp8_keys else 0, key_scales.stride(1) if fp8_keys else 0, group, d, width,
-        **_meta(block, cols, group, d, q.dtype == torch.float32), SCALED=fp8_keys is not None, num_warps=4)
+        **_meta(block, cols, group, d, q.dtype == torch.float32), SCALED=fp8_keys is not None,
+        WIDEN_F16=widen_f16 and fp8_keys is not None, num_warps=num_warps)
     return out
 
 
@@ -172,12 +178,13 @@ def _check_fp8(kv_layer, fp8_keys) -> None:
         raise ValueError("fp8 keys and scales must be on kv_layer's device")
 
 
-def compile_for(arch: int, group: int, head_dim: int, block: int = 16, fp8: bool = False):
+def compile_for(arch: int, group: int, head_dim: int, block: int = 16, fp8: bool = False, widen_f16: bool = False):
     """_block_lse_kernel compiled ahead of time (kernels/aot.py) for a model's query group and head size; `fp8`:
-    the variant that reads fp8_key_copy's keys."""
+    the variant that reads fp8_key_copy's keys (`widen_f16`: in fp16)."""
     from oasiskv.kernels.aot import compile_ahead
 
     pointers = {n: "*i32" for n in ("tables_ptr", "listed_ptr", "lens_ptr")}
     pointers.update(q_ptr="*bf16", kv_ptr="*fp8e4nv" if fp8 else "*bf16", out_ptr="*fp32", ks_ptr="*fp32")
-    meta = dict(_meta(block, _tile_cols(block, 1 << 10), group, head_dim, fp32=False), SCALED=fp8)
+    meta = dict(_meta(block, _tile_cols(block, 1 << 10), group, head_dim, fp32=False), SCALED=fp8,
+                WIDEN_F16=widen_f16)
     return compile_ahead(_block_lse_kernel, pointers, meta, arch, num_warps=4, scalars={"scale": "fp32"})

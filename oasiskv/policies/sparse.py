@@ -17,6 +17,7 @@ from oasiskv.kernels.block_mass import block_mass_scores_multi, block_mass_score
 from oasiskv.kernels.block_select import (block_scores, block_scores_multi, block_scores_multi_reference,
                                           block_scores_reference, select_blocks_padded)
 from oasiskv.kernels.block_topk import select_blocks_fused
+from oasiskv.kernels.list_scores import listed_scores, listed_scores_reference, on_the_list
 from oasiskv.kernels.paged_decode import paged_decode_attention, paged_decode_reference
 from oasiskv.kernels.shortlist_mass import listed_mass, shortlist_block_lse, shortlist_block_lse_reference
 from oasiskv.kernels.sparse_decode import sparse_decode_attention_padded, sparse_decode_padded_reference
@@ -148,9 +149,11 @@ class SparsePolicy(KVPolicy):
         list). `tables`: where the keys are in the pool, -1 for a block not on the GPU (it gets no mass)."""
         lse = shortlist_block_lse if self.cuda else shortlist_block_lse_reference
         kv_layer = self.pool.layer(layer)
-        mass = listed_mass(lse(q, kv_layer, tables, listed, self.meta.decode_seq_lens, self.scale),
-                           kv_heads=kv_layer.shape[3])
-        return on_the_list(self.combined(mass), listed, width)
+        block_lse = lse(q, kv_layer, tables, listed, self.meta.decode_seq_lens, self.scale)
+        if self.combine_scores is None:  # one launch; under tensor parallelism the ranks' masses are summed first
+            scores = listed_scores if self.cuda else listed_scores_reference
+            return scores(block_lse, listed, kv_layer.shape[3], width)
+        return on_the_list(self.combined(listed_mass(block_lse, kv_layer.shape[3])), listed, width)
 
     def is_dense_layer(self, layer: int) -> bool:
         return layer < self.cfg.dense_layers or self.num_decode_blocks <= self.layer_budget_blocks[layer]
@@ -211,8 +214,3 @@ class QuestPolicy(SparsePolicy):
         with self.timer("attention"):
             return self.attention(q, kv_layer, meta.decode_block_tables, selection)
 
-
-def on_the_list(mass: torch.Tensor, listed: torch.Tensor, width: int) -> torch.Tensor:
-    """The listed blocks' scores [B, W] at their logical ids in a row of `width` blocks, -inf for every other."""
-    out = torch.full((mass.shape[0], width + 1), float("-inf"), device=mass.device)
-    return out.scatter_(1, torch.where(listed >= 0, listed.long(), width), mass)[:, :width]  # -1: a spare column
