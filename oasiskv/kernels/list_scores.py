@@ -3,10 +3,11 @@ placed at its logical id in a row of block scores.
 
 For row b the listed blocks' mass is (kernels/shortlist_mass.py, listed_mass)
   mass[b, w] = sum over KV groups of max over the group's query heads h of exp(block_lse[b, h, w] - total[b, h]),
-  total[b, h] = logsumexp over w of block_lse[b, h, w]   (0 where block_lse is -inf: a listed block not on the GPU)
-and the row of scores is -inf everywhere but at listed[b, w], which gets mass[b, w] (on_the_list). In torch that is
-about ten launches a layer over [B, Hq, W]; here one program per row holds a KV group's [group, W] log-sum-exps at a
-time, then writes its row. The torch twin is listed_scores_reference; the test checks the kernel against it."""
+  total[b, h] = logsumexp over w of block_lse[b, h, w]
+(a term is 0 where block_lse is -inf: a listed block not on the GPU), and the row of scores is -inf everywhere but
+at listed[b, w], which gets mass[b, w] (on_the_list). In torch that is about ten launches a layer over [B, Hq, W];
+here one program per row holds a KV group's [group, W] log-sum-exps at a time, then writes its row. The torch twin is
+listed_scores_reference; the tests check both against a direct computation."""
 from __future__ import annotations
 
 import torch
