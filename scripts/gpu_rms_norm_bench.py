@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from oasiskv.bench.report import write_json
+from oasiskv.bench.report import print_table, write_json
 from oasiskv.kernels import rms_norm as rn
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 4096, 32, 8, 128
@@ -55,10 +55,7 @@ def main() -> None:
                 us = time_us(lambda: rn.rms_norm(x, weight, 1e-6))
                 rows.append({"phase": phase, "tensor": name, "shape": list(x.shape), "tile": tile, "us": round(us, 2),
                              "gbps": round(moved / us / 1e3), "max_abs_err": err})
-    print(f"{'phase':<14} {'tensor':<7} {'shape':<18} {'tile':>5} {'us':>9} {'GB/s':>6} {'max err':>9}")
-    for r in rows:
-        print(f"{r['phase']:<14} {r['tensor']:<7} {str(r['shape']):<18} {r['tile']:>5} {r['us']:>9} {r['gbps']:>6} "
-              f"{r['max_abs_err']:>9.2e}")
+    print_table(rows, ("phase", "tensor", "shape", "tile", "us", "gbps", "max_abs_err"))
     if args.json:
         write_json(args.json, {"rows": rows}, torch.device("cuda"))
 

@@ -11,7 +11,7 @@ import argparse
 
 import torch
 
-from oasiskv.bench.report import write_json
+from oasiskv.bench.report import print_table, write_json
 from oasiskv.kernels.silu_mul import silu_mul, silu_mul_reference
 from scripts.gpu_rms_norm_bench import time_us
 
@@ -34,10 +34,7 @@ def main() -> None:
             us = time_us(lambda: fn(gate, up))
             rows.append({"phase": phase, "impl": name, "shape": [tokens, INTERMEDIATE], "us": round(us, 2),
                          "gbps": round(moved / us / 1e3), "max_abs_err": err, "share_not_equal": mismatched})
-    print(f"{'phase':<14} {'impl':<7} {'us':>9} {'GB/s':>6} {'max err':>9} {'not equal':>10}")
-    for r in rows:
-        print(f"{r['phase']:<14} {r['impl']:<7} {r['us']:>9} {r['gbps']:>6} {r['max_abs_err']:>9.2e} "
-              f"{r['share_not_equal']:>10.2e}")
+    print_table(rows, ("phase", "impl", "us", "gbps", "max_abs_err", "share_not_equal"))
     if args.json:
         write_json(args.json, {"rows": rows}, torch.device("cuda"))
 
