@@ -1,4 +1,4 @@
-"""Makes the KV policies and the model's rotary call, on CPU tensors, the Triton kernels they call on CUDA
+"""Makes the KV policies and the model's rotary and SiLU x up call, on CPU tensors, the Triton kernels they call on CUDA
 (in place of the torch twins they call on the CPU), so the engine's GPU code paths run under
 TRITON_INTERPRET=1. Used by tests/test_kernels_in_engine.py and scripts/count_step_ops.py; call it
 before building an engine."""
@@ -11,10 +11,11 @@ def force_gpu_kernel_paths() -> None:
     import oasiskv.policies.sparse as sp
     import oasiskv.policies.tiered as tp
     from oasiskv.kernels import (block_mass, block_select, block_topk, draft_kv, host_gather, list_scores, miss_fill,
-                                 residency, rotary, shortlist_mass, sparse_decode, tail_append)
+                                 residency, rotary, shortlist_mass, silu_mul, sparse_decode, tail_append)
     from oasiskv.kv import summaries, working_set
 
     llama.apply_rotary_qk_reference = rotary.apply_rotary_qk  # bit for bit the torch ops, so tokens stay equal
+    llama.silu_mul_reference = silu_mul.silu_mul
     sp.select_blocks_padded = block_topk.select_blocks_fused
     sp.block_scores_reference = block_select.block_scores
     sp.sparse_decode_padded_reference = op.sparse_decode_padded_reference = \

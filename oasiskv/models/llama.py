@@ -16,7 +16,7 @@ from torch import nn
 from oasiskv.config import ModelConfig
 from oasiskv.kernels.rms_norm import rms_norm, rms_norm_reference
 from oasiskv.kernels.rotary import apply_rotary_qk, apply_rotary_qk_reference
-from oasiskv.kernels.silu_mul import silu_mul
+from oasiskv.kernels.silu_mul import silu_mul, silu_mul_reference
 from oasiskv.models.linear import FusedLinears, Linear, linear
 
 
@@ -140,12 +140,12 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = self.gate_up.outputs(x, [self.gate_proj, self.up_proj]) if self.gate_up else None
-        # SiLU(gate) x up in one Triton launch on the GPU (no temporary between them); the torch ops on the CPU and
-        # where autograd needs them
+        # SiLU(gate) x up in one Triton launch on the GPU (no temporary between them), its torch twin on the CPU;
+        # the torch ops where autograd needs them (the kernel has no backward)
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or self.gate_proj.weight.requires_grad)
-        if x.is_cuda and x.dim() == 2 and not needs_grad:
+        if x.dim() == 2 and not needs_grad:
             gate, up = fused or (self.gate_proj(x), self.up_proj(x))
-            return self.down_proj(silu_mul(gate, up))
+            return self.down_proj((silu_mul if x.is_cuda else silu_mul_reference)(gate, up))
         if fused is None:  # in this order, gate's output is freed before up's is made: prefill's activation peak
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         gate, up = fused
