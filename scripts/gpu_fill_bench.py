@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 
 import torch
 
 import oasiskv.kernels.miss_fill as miss_fill
+from oasiskv.bench.report import write_json
 from oasiskv.kernels.miss_fill import fill_misses, fill_misses_reference
 from scripts.gpu_select_bench import per_call_us
 
@@ -70,8 +70,7 @@ def main() -> None:
             print(f"{shape:28s} misses/row {misses:5.1f}  compare {elements:6d}  warps {warps}  equal {ok}  "
                   f"{us:7.2f} us", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+        write_json(args.json, {"rows": rows}, torch.device("cuda"))
 
 
 if __name__ == "__main__":

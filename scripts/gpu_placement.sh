@@ -7,16 +7,8 @@
 #                                            oasis at 43 requests with a 2x list and without one
 #   scripts/gpu_placement.sh engine OUTDIR   the kernel profile of oasis with a 2x list again, then throughput of oasis
 #                                            with a 2x list and without one (16K in, 512 out)
-set -u -o pipefail
 USAGE="usage: scripts/gpu_placement.sh kernels|engine OUTDIR"
-WHAT=${1:?$USAGE}
-OUT=${2:?$USAGE}
-mkdir -p "$OUT"
-export PYTHONPATH=. PYTHONUNBUFFERED=1
-PY=${PY:-python3}
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-B="$PY -m oasiskv.cli bench throughput --model qwen3-8b --load-format dummy --input-len 16384 --output-len 512 \
-   --max-num-batched-tokens 16384 --schedule-policy prefill-first --gpu-memory-gb 72 --host-kv-gb 100"
+source "$(dirname "$0")/gpu_what_out.sh" "$@"
 KERNELS="=====|_resident_draft_kernel|_block_lse_kernel|_fill_kernel|span of"
 case "$WHAT" in
   kernels)

@@ -17,11 +17,11 @@ against the torch twins first.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
 import oasiskv.kernels.draft_kv as draft_kv
+from oasiskv.bench.report import write_json
 from oasiskv.kernels.draft_kv import DraftWrite, write_draft_kv_reference
 from oasiskv.kernels.residency import COUNTERS, resident_selection, resident_selection_reference
 from scripts.gpu_select_bench import per_call_us
@@ -115,8 +115,7 @@ def main() -> None:
                 print(f"slots {width:4d}  opened {row['opened']:4s}  compare {elements:6d} (chunk {chunk:3d})  "
                       f"equal {ok}  {us:8.2f} us  (restore {restore_us:.2f} us subtracted)", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": results}, f, indent=1)
+        write_json(args.json, {"rows": results}, torch.device("cuda"))
 
 
 if __name__ == "__main__":

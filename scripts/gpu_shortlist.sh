@@ -18,17 +18,9 @@
 #   scripts/gpu_shortlist.sh eval40 OUTDIR dense, quest and oasis with mass scores and a 3x list at 40 samples a task
 #                                          (the first 20 are eval's)
 #   The evals need the GGUF at /root/models (../shared/device/stage-smollm2.sh) and OASISKV_EVAL_CACHE=.carry/eval-cache.
-set -u -o pipefail
 USAGE="usage: scripts/gpu_shortlist.sh cost|tile|eval|eval-finer|eval4|finer3|eval40 OUTDIR"
-WHAT=${1:?$USAGE}
-OUT=${2:?$USAGE}
-mkdir -p "$OUT"
-export PYTHONPATH=. PYTHONUNBUFFERED=1
-PY=${PY:-python3}
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+source "$(dirname "$0")/gpu_what_out.sh" "$@"
 quiet() { grep -v 'it/s\]' | grep -v '^\[eval\] context'; }
-B="$PY -m oasiskv.cli bench throughput --model qwen3-8b --load-format dummy --input-len 16384 --output-len 512 \
-   --max-num-batched-tokens 16384 --schedule-policy prefill-first --gpu-memory-gb 72 --host-kv-gb 100"
 if [ "$WHAT" = tile ]; then
   $PY -m oasiskv.cli bench kernels --batches 8,43 --shortlist 2 --json "$OUT/kernels_shortlist.json" 2>&1 \
     | tee "$OUT/kernels_shortlist.log" | tail -12

@@ -17,9 +17,9 @@ from oasiskv.kernels.block_mass import block_mass_scores_multi, block_mass_score
 from oasiskv.kernels.block_select import (block_scores, block_scores_multi, block_scores_multi_reference,
                                           block_scores_reference, select_blocks_padded)
 from oasiskv.kernels.block_topk import select_blocks_fused
-from oasiskv.kernels.list_scores import listed_scores, listed_scores_reference, on_the_list
+from oasiskv.kernels.list_scores import listed_scores, listed_scores_reference
 from oasiskv.kernels.paged_decode import paged_decode_attention, paged_decode_reference
-from oasiskv.kernels.shortlist_mass import listed_mass, shortlist_block_lse, shortlist_block_lse_reference
+from oasiskv.kernels.shortlist_mass import shortlist_block_lse, shortlist_block_lse_reference
 from oasiskv.kernels.sparse_decode import sparse_decode_attention_padded, sparse_decode_padded_reference
 from oasiskv.kv.gpu_pool import KVPool
 from oasiskv.kv.summaries import BlockSummaries
@@ -150,10 +150,9 @@ class SparsePolicy(KVPolicy):
         lse = shortlist_block_lse if self.cuda else shortlist_block_lse_reference
         kv_layer = self.pool.layer(layer)
         block_lse = lse(q, kv_layer, tables, listed, self.meta.decode_seq_lens, self.scale)
-        if self.combine_scores is None:  # one launch; under tensor parallelism the ranks' masses are summed first
-            scores = listed_scores if self.cuda else listed_scores_reference
-            return scores(block_lse, listed, kv_layer.shape[3], width)
-        return on_the_list(self.combined(listed_mass(block_lse, kv_layer.shape[3])), listed, width)
+        # every head is on this rank: --shortlist is refused with tensor parallelism (KVConfig.require_layer_layout)
+        scores = listed_scores if self.cuda else listed_scores_reference
+        return scores(block_lse, listed, kv_layer.shape[3], width)
 
     def is_dense_layer(self, layer: int) -> bool:
         return layer < self.cfg.dense_layers or self.num_decode_blocks <= self.layer_budget_blocks[layer]
