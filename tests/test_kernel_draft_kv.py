@@ -106,11 +106,10 @@ def test_kernel_and_twin_match_a_python_loop(b, width, k, dtype, seed, compare, 
 
 def test_compiles_for_the_h200():
     # the interpreter cannot tell whether the kernel lowers for the GPU: compile for sm_90 (no GPU needed) in a
-    # process without the interpreter, at the headline width (129 slots) and selection (128 blocks), and at a
-    # 4x shortlist's working set (513 slots)
+    # process without the interpreter, at the headline width (129 slots) and at a 4x shortlist's working set (513)
     code = ("from oasiskv.kernels.draft_kv import compile_for\n"
-            "assert compile_for(90, 129, 128).asm['cubin']\n"
-            "assert compile_for(90, 513, 128).asm['cubin']\n")
+            "assert compile_for(90, 129).asm['cubin']\n"
+            "assert compile_for(90, 513).asm['cubin']\n")
     run_without_interpreter(code)
 
 

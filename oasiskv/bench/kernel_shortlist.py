@@ -42,7 +42,8 @@ def bench_shortlist(batch: int, context: int, budget: int, factor: float, shapes
     fp8_bytes = batch * width * BLOCK * shapes["kv_heads"] * (shapes["head_dim"] + 4)  # e4m3 keys, fp32 scales
     rows = []
     # (listed blocks a program, fp8 keys); on the CPU the twin (cols None) runs instead of the kernel
-    variants = [(cols, False) for cols in COLS] + [(8, True)] if device.type == "cuda" else [(None, False), (None, True)]
+    on_gpu = device.type == "cuda"
+    variants = [(cols, False) for cols in COLS] + [(8, True)] if on_gpu else [(None, False), (None, True)]
     for cols, with_fp8 in variants:
         extra = {"fp8_keys": fp8} if with_fp8 else {}
         ref = shortlist_block_lse_reference(*cases[0], **extra)

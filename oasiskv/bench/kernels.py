@@ -196,5 +196,5 @@ def print_kernels(r: dict) -> None:
     print_table(r["scoring"], ("batch", "blocks", "summary_mb", "score_select_us_per_layer", "score_select_ms_per_step",
                                "mass_select_us_per_layer", "mass_select_ms_per_step"))
     print("\nshortlist pass (GB/s of the listed blocks' keys, against the memory copy; cols: listed blocks a program):")
-    print_table(r["shortlist"], ("batch", "listed_blocks", "keys", "cols", "key_mb", "us", "gbps", "vs_copy", "max_abs_err",
-                                 "correct"))
+    print_table(r["shortlist"], ("batch", "listed_blocks", "keys", "cols", "key_mb", "us", "gbps", "vs_copy",
+                                 "max_abs_err", "correct"))

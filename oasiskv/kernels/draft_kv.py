@@ -213,8 +213,8 @@ POINTERS = {"kv_ptr": "*fp16", "slot_of_ptr": "*i32", "block_of_ptr": "*i32", "u
             "v_ptr": "*fp16", "step_ptr": "*i64"}  # as the engine passes them, for compile_for
 
 
-def compile_for(arch: int, width: int, k: int, token: int = 1024, block_size: int = 16):
-    """_draft_kv_kernel compiled ahead of time (kernels/aot.py) for `width` slots per row, `k` attended blocks,
-    `token` values per K (Hkv * D) and `block_size` tokens per block."""
+def compile_for(arch: int, width: int, token: int = 1024, block_size: int = 16):
+    """_draft_kv_kernel compiled ahead of time (kernels/aot.py) for `width` slots per row, `token` values per K
+    (Hkv * D) and `block_size` tokens per block (the attended list is read from memory, any length)."""
     meta = placement_constants(width, token, block_size * token)
     return compile_ahead(_draft_kv_kernel, POINTERS, meta, arch)
