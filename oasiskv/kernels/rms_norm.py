@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["rms_norm", "rms_norm_reference"]
+__all__ = ["add_rms_norm", "add_rms_norm_reference", "rms_norm", "rms_norm_reference"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # a program's tile: rows of head_dim 128 go 16 to a program (at one row a program, all RMSNorms took 19 ms of a
@@ -55,6 +55,27 @@ def _rms_norm_kernel(out_ptr, x_ptr, w_ptr, ROWS_TOTAL, B, s_xa, s_xb, s_xd, s_w
     w = tl.load(w_ptr + d * s_w, mask=d < D, other=0.0)
     out = w.to(tl.float32)[None, :] * y.to(tl.float32)
     tl.store(out_ptr + row[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _add_rms_norm_kernel(sum_ptr, out_ptr, x_ptr, delta_ptr, w_ptr, ROWS_TOTAL, D, eps,
+                         BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    # the residual stream's add, rounded to x's dtype as torch's x + delta is, then _rms_norm_kernel's math on
+    # the rounded sum (contiguous [rows, D] throughout)
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    d = tl.arange(0, BLOCK_D)
+    m = (row[:, None] < ROWS_TOTAL) & (d[None, :] < D)
+    at = row[:, None] * D + d[None, :]
+    x = tl.load(x_ptr + at, mask=m, other=0.0)
+    delta = tl.load(delta_ptr + at, mask=m, other=0.0)
+    total = (x.to(tl.float32) + delta.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    tl.store(sum_ptr + at, total, mask=m)
+    xf = total.to(tl.float32)
+    ms = tl.sum(xf * xf, axis=1) / D
+    y = (xf * tl.rsqrt(ms + eps)[:, None]).to(x_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + d, mask=d < D, other=0.0)
+    out = w.to(tl.float32)[None, :] * y.to(tl.float32)
+    tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=m)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -107,3 +128,38 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         BLOCK_D=block_d, ROWS=per_program, num_warps=min(max(block_d * per_program // 256, 1), 8),
     )
     return out
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, rms_norm(x + delta)) in one launch: the decoder's residual add and the next RMSNorm, which
+    torch runs as an add kernel (two reads, one write) and the norm (one read more). x and delta are contiguous
+    [T, D] of one dtype, weight [D] contiguous; the sum is rounded to x's dtype before the norm reads it, as the
+    two torch ops do. Not differentiable on the Triton path: see add_rms_norm_reference."""
+    _check(x, weight)
+    if x.dim() != 2 or delta.shape != x.shape or delta.dtype != x.dtype or delta.device != x.device:
+        raise ValueError(f"x and delta must be [T, D] of one dtype and device, got {tuple(x.shape)} {x.dtype} and "
+                         f"{tuple(delta.shape)} {delta.dtype}")
+    if not (x.is_contiguous() and delta.is_contiguous() and weight.is_contiguous()):
+        raise ValueError("x, delta and weight must be contiguous")
+    if not _triton_runs(x.device):
+        return add_rms_norm_reference(x, delta, weight, eps)
+    total = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if out.numel() == 0:
+        return total, out
+    rows, d = x.shape
+    block_d = triton.next_power_of_2(d)
+    per_program = max(1, _TILE_ELEMENTS // block_d)
+    _add_rms_norm_kernel[(triton.cdiv(rows, per_program),)](
+        total, out, x, delta, weight, rows, d, float(eps),
+        BLOCK_D=block_d, ROWS=per_program, num_warps=min(max(block_d * per_program // 256, 1), 8),
+    )
+    return total, out
+
+
+def add_rms_norm_reference(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch twin of :func:`add_rms_norm`: the add, then rms_norm_reference of the sum."""
+    total = x + delta
+    return total, rms_norm_reference(total, weight, eps)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from oasiskv.config import ModelConfig
-from oasiskv.kernels.rms_norm import rms_norm, rms_norm_reference
+from oasiskv.kernels.rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm, rms_norm_reference
 from oasiskv.kernels.rotary import apply_rotary_qk, apply_rotary_qk_reference
 from oasiskv.kernels.silu_mul import silu_mul, silu_mul_reference
 from oasiskv.models.linear import FusedLinears, Linear, linear
@@ -38,6 +38,16 @@ class RMSNorm(nn.Module):
         if x.is_cuda and not needs_grad:
             return rms_norm(x, self.weight, self.eps)
         return rms_norm_reference(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, the norm of that sum): the residual add and this norm in one kernel on the GPU.
+        delta None: (x, the norm of x)."""
+        if delta is None:
+            return x, self(x)
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, delta, self.weight))
+        if x.is_cuda and not needs_grad:
+            return add_rms_norm(x, delta, self.weight, self.eps)
+        return add_rms_norm_reference(x, delta, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -160,9 +170,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, backend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, delta, cos, sin, backend) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream, still without delta, the previous layer's MLP output (None before the first
+        layer): each residual add is done by the norm that reads its sum. Returns (the stream after this layer's
+        attention, this layer's MLP output): the stream after the layer is their sum."""
+        x, h = self.input_layernorm.add_and_norm(x, delta)
+        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(h, cos, sin, backend))
+        return x, self.mlp(h)
 
 
 class Backbone(nn.Module):
@@ -193,14 +207,14 @@ class CausalLM(nn.Module):
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """input_ids, positions: [T]. Returns (final normed hidden [T, H], hidden states after each
         layer in capture_layers (the inputs EAGLE-3 needs))."""
-        x = self.model.embed_tokens(input_ids)
+        x, delta = self.model.embed_tokens(input_ids), None
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         captured = []
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, backend)
+            x, delta = layer(x, delta, cos, sin, backend)
             if i in capture_layers:
-                captured.append(x)
-        return self.model.norm(x), captured
+                captured.append(x + delta)  # the same bits as the sum the next norm makes
+        return self.model.norm.add_and_norm(x, delta)[1], captured
 
     def fuse_projections(self) -> None:
         """One matmul for q/k/v and one for gate/up in every layer (inference; once the weights are loaded,

@@ -4,14 +4,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from oasiskv.kernels.kv_write import write_kv_reference, write_kv_slots
 from oasiskv.kernels.paged_decode import paged_decode_attention, paged_decode_reference
 from oasiskv.kv.gpu_pool import KVPool
 from oasiskv.policies.base import AttentionMetadata, KVPolicy, PrefillSpan, length_bucket
 
 
 def write_kv(kv_layer: torch.Tensor, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
-    kv_layer[meta.slot_blocks, 0, meta.slot_offsets] = k
-    kv_layer[meta.slot_blocks, 1, meta.slot_offsets] = v
+    write = write_kv_slots if kv_layer.is_cuda else write_kv_reference
+    write(kv_layer, meta.slot_blocks, meta.slot_offsets, k, v)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
@@ -34,13 +35,18 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 def sdpa(q, k, v, scale, mask=None, causal=False) -> torch.Tensor:
-    """q [n, Hq, D], k/v [ctx, Hkv, D] -> [n, Hq, D]. K/V heads are expanded and inputs made 4-D so
-    that CUDA picks the flash (causal) or memory-efficient (masked) kernel, never the O(n^2) math path."""
+    """q [n, Hq, D], k/v [ctx, Hkv, D] -> [n, Hq, D]. Inputs are made 4-D so that CUDA picks a fused kernel
+    (cuDNN's or flash for causal, memory-efficient for masked), never the O(n^2) math path. K/V heads are expanded
+    to the query heads, except in causal half-precision attention on CUDA, whose kernel reads each K/V head for
+    its group of query heads itself (enable_gqa): expanding them wrote 4x qwen3-8b's K and V to memory, 2 x 134 MB
+    a layer of a 16K prefill. fp32 and masked attention keep the expansion (with enable_gqa torch may fall back
+    to the math path there)."""
     group = q.shape[1] // k.shape[1]
-    if group > 1:
+    native_gqa = group > 1 and causal and mask is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    if group > 1 and not native_gqa:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                         attn_mask=mask, is_causal=causal, scale=scale)
+                                         attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=native_gqa)
     return out[0].transpose(0, 1)
 
 
