@@ -38,9 +38,9 @@ def sdpa(q, k, v, scale, mask=None, causal=False) -> torch.Tensor:
     """q [n, Hq, D], k/v [ctx, Hkv, D] -> [n, Hq, D]. Inputs are made 4-D so that CUDA picks a fused kernel
     (cuDNN's or flash for causal, memory-efficient for masked), never the O(n^2) math path. K/V heads are expanded
     to the query heads, except in causal half-precision attention on CUDA, whose kernel reads each K/V head for
-    its group of query heads itself (enable_gqa): expanding them wrote 4x qwen3-8b's K and V to memory, 2 x 134 MB
-    a layer of a 16K prefill. fp32 and masked attention keep the expansion (with enable_gqa torch may fall back
-    to the math path there)."""
+    its group of query heads itself (enable_gqa): the expansion wrote qwen3-8b's K and V four times over, 2 x 134 MB
+    a layer of a 16K prefill. fp32 and masked attention keep it: enable_gqa was timed for causal bf16 and one masked
+    shape only (docs/BENCHMARKS.md, thirty-first session)."""
     group = q.shape[1] // k.shape[1]
     native_gqa = group > 1 and causal and mask is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
     if group > 1 and not native_gqa:
