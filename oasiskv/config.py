@@ -251,7 +251,8 @@ class KVConfig:
         if self.fetch_blocks(block_size) < 1:
             raise ValueError(f"--fetch-cap {self.fetch_cap} x --kv-budget {self.budget} is "
                              f"{self.fetch_cap * self.budget:g} tokens, less than one block of {block_size}: "
-                             "raise the cap or the budget")
+                             f"raise the cap to {block_size / self.budget:g} or more, or the budget to "
+                             f"{math.ceil(block_size / self.fetch_cap / block_size - 1e-9) * block_size} or more")
         if self.draft not in DRAFTS:
             raise ValueError(f"--draft must be one of {', '.join(DRAFTS)}, got {self.draft!r}")
         if self.draft_model is not None and self.draft not in HEAD_DRAFTS:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 import torch
@@ -232,6 +233,18 @@ def check_resident_blocks_equal_host(engine: LLMEngine) -> None:
 def test_impossible_oasis_configuration_is_a_clear_error(kv, message):
     with pytest.raises(ValueError, match=message):
         KVConfig(mode="oasis", budget=512, **kv).validate(16, 30)
+
+
+@pytest.mark.parametrize("budget, cap", [(256, 0.05), (128, 0.1), (512, 0.01), (96, 0.125)])
+def test_a_cap_under_one_block_names_the_cap_and_the_budget_that_work(budget, cap):
+    with pytest.raises(ValueError, match="less than one block") as err:
+        KVConfig(mode="oasis", budget=budget, fetch_cap=cap).validate(16, 30)
+    suggested = re.search(r"raise the cap to (\S+) or more, or the budget to (\d+)", str(err.value))
+    least_cap, least_budget = suggested.groups()
+    KVConfig(mode="oasis", budget=budget, fetch_cap=float(least_cap)).validate(16, 30)
+    KVConfig(mode="oasis", budget=int(least_budget), fetch_cap=cap).validate(16, 30)
+    with pytest.raises(ValueError, match="less than one block"):  # the least: a block less fails
+        KVConfig(mode="oasis", budget=int(least_budget) - 16, fetch_cap=cap).validate(16, 30)
 
 
 @pytest.mark.parametrize("mode", ["dense", "oasis"])
