@@ -178,14 +178,14 @@ def build_llm(args):
 
 def cmd_generate(args) -> None:
     params = sampling_params(args)
-    llm = build_llm(args)
     prompt = args.prompt
-    if args.prompt_file:
+    if args.prompt_file:  # read before the weights load: a wrong path should not wait for them
         try:
             with open(args.prompt_file, encoding="utf-8") as f:
                 prompt = f.read() + "\n\n" + prompt
-        except OSError as e:
+        except (OSError, UnicodeDecodeError) as e:
             raise SystemExit(f"error: cannot read --prompt-file: {e}")
+    llm = build_llm(args)
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     try:

@@ -125,8 +125,9 @@ def test_dummy_model_is_reproducible():
 @pytest.mark.parametrize("flags, message", [
     (["--kv-mode", "quest", "--working-set", "4096"], "--working-set applies to the retrieval and oasis modes"),
     (["--kv-mode", "oasis", "--fetch-cap", "2"], "--fetch-cap must be in"),
+    (["--prompt-file", "/no/such/file.txt"], "cannot read --prompt-file: .*No such file"),
 ])
-def test_cli_rejects_bad_kv_flags_before_loading_weights(flags, message, monkeypatch):
+def test_cli_rejects_bad_flags_before_loading_weights(flags, message, monkeypatch):
     from oasiskv import cli
     from oasiskv.engine import engine
 
