@@ -130,6 +130,10 @@ def test_bad_lists_get_clear_errors(tiny):
         bench(tiny, "--modes", "dense,fast")
     with pytest.raises(SystemExit, match="--sweep-concurrency must be a comma-separated list of ints"):
         bench(tiny, "--sweep-concurrency", "1,many")
+    with pytest.raises(SystemExit, match="--input-len and --output-len must be at least 1, got 0 and"):
+        bench(tiny, "--modes", "dense", "--input-len", "0")
+    with pytest.raises(SystemExit, match="must be at least 1, got 64 and -2"):
+        bench(tiny, "--input-len", "64", "--output-len", "-2")
 
 
 def test_async_scheduling_runs_every_mode(tiny, tmp_path):

@@ -104,3 +104,16 @@ def test_eval_command_end_to_end(tmp_path, capsys):
     quest = [r for r in results if r["mode"] == "quest" and r["task"] == "ppl" and r["metric"] == "kl"]
     assert quest and quest[0]["value"] > 0 and quest[0]["drop"] > 0
     assert out_png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_eval_rejects_a_context_beyond_the_model_before_loading_it(monkeypatch):
+    """A context past the model's 8192 tokens would size a pool for it (terabytes at 10^8): a clear error first."""
+    from oasiskv.cli import main
+    from oasiskv.engine import engine
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("weights were loaded before the contexts were checked")
+
+    monkeypatch.setattr(engine, "load_model", no_loading)
+    with pytest.raises(SystemExit, match="--context 99999999 is longer than the model's 8192 tokens"):
+        main(["eval", "--quick", "--corpus", "sample", "--context", "1024,99999999", "--modes", "dense"])

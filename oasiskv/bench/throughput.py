@@ -62,6 +62,9 @@ def run_from_args(args: argparse.Namespace, config: EngineConfig):
     """--modes or a sweep: the side-by-side benchmark (bench/modes.py); otherwise one mode at fixed batches."""
     from oasiskv.bench import modes
 
+    if args.input_len < 1 or args.output_len < 1:
+        raise SystemExit(f"error: --input-len and --output-len must be at least 1, got {args.input_len} and "
+                         f"{args.output_len}")
     if args.sweep_concurrency and args.sweep_fetch_cap:
         raise SystemExit("error: run --sweep-concurrency and --sweep-fetch-cap in separate invocations")
     if args.sweep_concurrency:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from oasiskv.config import SHORTLIST_MODES, EngineConfig, KVConfig
+from oasiskv.config import SHORTLIST_MODES, EngineConfig, KVConfig, ModelConfig
 from oasiskv.evals.haystack import Haystack
 from oasiskv.evals.tasks import SYNTHETIC, Settings, build_task
 
@@ -162,6 +162,7 @@ def run_eval(base: EngineConfig, contexts: list[int], variants: list[Variant], t
     """Rows of {context, variant, series, mode, budget, fetch_cap, draft, task, metric, value, dense};
     checkpoint(rows so far), if given, is called after each configuration (partial results survive)."""
     tasks = [build_task(n) for n in task_names]
+    check_contexts(base, contexts)
     for v in variants:
         variant_config(base, v)  # fail before any work on a mode or flag the engine does not accept
     rows = []
@@ -187,6 +188,18 @@ def run_eval(base: EngineConfig, contexts: list[int], variants: list[Variant], t
                 if checkpoint:
                     checkpoint(rows)
     return rows
+
+
+def check_contexts(base: EngineConfig, contexts: list[int]) -> None:
+    """Every context within the model's length (--max-model-len, else the model's own), before any weights load
+    (a pool is sized for the contexts asked for)."""
+    from oasiskv.models.loader import read_hf_config, resolve_source
+
+    limit = base.scheduler.max_model_len or ModelConfig.from_hf(
+        read_hf_config(*resolve_source(base.model))).max_position_embeddings
+    too_long = [c for c in contexts if c > limit]
+    if too_long:
+        raise ValueError(f"--context {too_long[0]} is longer than the model's {limit} tokens")
 
 
 def run_variant(llm, v: Variant, tasks, inputs, settings, references, context, log):
