@@ -134,3 +134,19 @@ def test_unroll_step_k_equals_drafting_k_tokens_ahead():
             for k in range(1, steps):
                 out = head(ids[b, t + 1 + k:t + 2 + k], out, torch.tensor([t + k]), chain)
                 torch.testing.assert_close(out[0], outs[k][b, t])
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--num-conversations", "0", "--num-conversations must be at least 1, got 0"),
+    ("--lr", "-1", "--lr must be above 0"), ("--ttt-decay", "1.5", r"--ttt-decay must be in \(0, 1\]"),
+    ("--warmup", "1", r"--warmup must be in \[0, 1\)"), ("--max-len", "8", "--max-len must be at least 32")])
+def test_bad_flags_fail_before_the_target_loads(tmp_path, monkeypatch, flag, value, message):
+    import oasiskv.lookahead.train_draft as td
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the target was loaded before the flags were checked")
+
+    monkeypatch.setattr(td, "target_and_data", no_loading)
+    with pytest.raises(ValueError, match=message):
+        train(train_args("unused", tmp_path / "head", flag, value))
+    assert not (tmp_path / "head").exists()  # nothing written either

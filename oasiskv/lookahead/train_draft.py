@@ -84,10 +84,31 @@ def main(args: argparse.Namespace) -> None:
     print(f"head saved to {args.out}")
 
 
+# each numeric flag's rule and its wording, checked before the target loads (data generation takes minutes)
+ARG_RULES = {
+    "num_conversations": (lambda v: v >= 1, "at least 1"), "eval_conversations": (lambda v: v >= 0, "at least 0"),
+    "max_len": (lambda v: v >= 32, "at least 32"), "max_new_tokens": (lambda v: v >= 1, "at least 1"),
+    "temperature": (lambda v: v >= 0, "at least 0"), "gen_max_num_seqs": (lambda v: v >= 1, "at least 1"),
+    "draft_vocab_size": (lambda v: v >= 1, "at least 1"), "ttt_length": (lambda v: v >= 1, "at least 1"),
+    "ttt_decay": (lambda v: 0 < v <= 1, "in (0, 1]"), "batch_size": (lambda v: v >= 1, "at least 1"),
+    "epochs": (lambda v: v > 0, "above 0"), "steps": (lambda v: v is None or v >= 1, "at least 1"),
+    "lr": (lambda v: v > 0, "above 0"), "warmup": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "clip": (lambda v: v > 0, "above 0"), "checkpoint_every": (lambda v: v >= 1, "at least 1"),
+}
+
+
+def check_args(args: argparse.Namespace) -> None:
+    for name, (ok, rule) in ARG_RULES.items():
+        value = getattr(args, name)
+        if not ok(value):
+            raise ValueError(f"--{name.replace('_', '-')} must be {rule}, got {value}")
+
+
 def train(args: argparse.Namespace, on_step=None) -> TrainResult:
     """on_step(step) runs after every optimizer step (progress hooks, tests)."""
     from oasiskv.engine.engine import pick_device, pick_dtype
 
+    check_args(args)
     t0 = time.perf_counter()
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
