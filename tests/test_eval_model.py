@@ -117,3 +117,15 @@ def test_eval_rejects_a_context_beyond_the_model_before_loading_it(monkeypatch):
     monkeypatch.setattr(engine, "load_model", no_loading)
     with pytest.raises(SystemExit, match="--context 99999999 is longer than the model's 8192 tokens"):
         main(["eval", "--quick", "--corpus", "sample", "--context", "1024,99999999", "--modes", "dense"])
+
+
+@pytest.mark.parametrize("flag, value", [("--samples", "0"), ("--windows", "0"), ("--context", "1024,0"),
+                                         ("--scored", "-1")])
+def test_eval_rejects_empty_sizes_before_loading(monkeypatch, flag, value):
+    """A size of 0 divided by zero late in a run (a traceback after minutes of work): a clear error first."""
+    from oasiskv.cli import main
+    from oasiskv.engine import engine
+
+    monkeypatch.setattr(engine, "load_model", lambda *a, **k: pytest.fail("weights loaded before the sizes' check"))
+    with pytest.raises(SystemExit, match=f"{flag} must be at least 1"):
+        main(["eval", "--quick", "--corpus", "sample", "--modes", "dense", flag, value])

@@ -77,10 +77,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def fill_sizes(args: argparse.Namespace) -> None:
+    """The sizes not given, from SIZES; every size must be at least 1 (a count of 0 divided by zero late in a run)."""
     for name, (full, quick) in SIZES.items():
         if getattr(args, name) is None:
             value = quick if args.quick else full
             setattr(args, name, csv(int)(value) if isinstance(value, str) else value)
+        values = getattr(args, name)
+        for v in values if isinstance(values, list) else [values]:
+            if v < 1:
+                raise SystemExit(f"error: --{name.replace('_', '-')} must be at least 1, got {v}")
 
 
 def base_config(args: argparse.Namespace):
