@@ -83,3 +83,19 @@ def test_bench_serve_refuses_to_guess_the_vocabulary(tmp_path):
         with pytest.raises(SystemExit, match="--vocab-size"):
             bench_serve.main(args)
     assert not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-prompts", "0"], "--num-prompts must be at least 1, got 0"),
+    (["--random-input-len", "-5"], "--random-input-len must be at least 1"),
+    (["--request-rate", "-1"], "--request-rate must be above 0"),
+    (["--max-concurrency", "0"], "--max-concurrency must be at least 1"),
+    (["--metric-percentiles", "50,200"], "--metric-percentiles must be numbers in"),
+    ([], "cannot reach the server at http://127.0.0.1:1 .*is `oasiskv serve` running there"),
+])
+def test_bench_serve_bad_flags_and_no_server_are_clear_errors(flags, message):
+    """Port 1: nothing listens there, so the flags are checked before a request, and a missing server is said."""
+    p = argparse.ArgumentParser()
+    bench_serve.add_args(p)
+    with pytest.raises(SystemExit, match=message):
+        bench_serve.main(p.parse_args(["--port", "1", *flags]))

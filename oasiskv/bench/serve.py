@@ -187,8 +187,34 @@ def print_summary(s: dict) -> None:
     print("=" * 50)
 
 
+def check_args(args) -> None:
+    """The numbers that would fail or hang late (an empty run, a negative rate), before any request."""
+    rules = [("--num-prompts", args.num_prompts, args.num_prompts >= 1, "at least 1"),
+             ("--random-input-len", args.random_input_len, args.random_input_len >= 1, "at least 1"),
+             ("--random-output-len", args.random_output_len, args.random_output_len >= 1, "at least 1"),
+             ("--random-range-ratio", args.random_range_ratio, 0 <= args.random_range_ratio < 1, "in [0, 1)"),
+             ("--max-concurrency", args.max_concurrency, args.max_concurrency is None or args.max_concurrency >= 1,
+              "at least 1"),
+             ("--request-rate", args.request_rate, args.request_rate > 0, "above 0 (inf: all at once)"),
+             ("--burstiness", args.burstiness, args.burstiness > 0, "above 0")]
+    for flag, value, ok, rule in rules:
+        if not ok:
+            raise SystemExit(f"error: {flag} must be {rule}, got {value}")
+    try:
+        percentiles = [float(p) for p in args.metric_percentiles.split(",")]
+    except ValueError:
+        percentiles = [-1.0]
+    if not all(0 < p <= 100 for p in percentiles):
+        raise SystemExit(f"error: --metric-percentiles must be numbers in (0, 100], got {args.metric_percentiles!r}")
+
+
 def main(args) -> dict:
-    summary = asyncio.run(run_benchmark(args))
+    check_args(args)
+    try:
+        summary = asyncio.run(run_benchmark(args))
+    except httpx.TransportError as e:  # nothing listening, a wrong host: before any result
+        base = args.base_url or f"http://{args.host}:{args.port}"
+        raise SystemExit(f"error: cannot reach the server at {base} ({e}); is `oasiskv serve` running there?")
     print_summary(summary)
     if args.json_path:
         with open(args.json_path, "w") as f:
