@@ -123,3 +123,16 @@ def test_tokenizer_endpoints_pass_through(proxied):
             return await server_vocab_size(bench_client)
 
     assert asyncio.run(vocab()) == TOKENIZER_INFO["vocab_size"]
+
+
+def test_every_route_reports_instances_that_are_down_as_a_502():
+    """Nothing listens on ports 1 and 2: each route the proxy forwards answers the API's error body, code 502."""
+    with BackgroundServer(build_proxy_app("http://127.0.0.1:1", "http://127.0.0.1:2")) as url:
+        answers = [httpx.get(url + "/v1/models"), httpx.get(url + "/tokenizer_info"),
+                   httpx.post(url + "/tokenize", json={"prompt": "hi"}),
+                   httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})]
+        for r in answers:
+            assert r.status_code == 502, (r.request.url, r.text)
+            error = r.json()["error"]
+            assert error["type"] == "BadGatewayError" and "an instance behind the proxy failed" in error["message"]
+        assert httpx.get(url + "/health").status_code == 503

@@ -87,6 +87,10 @@ def build_proxy_app(prefill_url: str, decode_url: str) -> FastAPI:
     proxy = Proxy(prefill_url, decode_url)
     app = FastAPI(title="oasiskv proxy")
 
+    @app.exception_handler(httpx.HTTPError)  # every route: an instance down or failing is a 502 in the API's form
+    async def instance_failed(request: Request, e: httpx.HTTPError):
+        return JSONResponse(error_body(f"an instance behind the proxy failed: {e!r}", 502), status_code=502)
+
     async def body_of(request: Request):
         try:
             return json.loads(await request.body())
@@ -100,10 +104,7 @@ def build_proxy_app(prefill_url: str, decode_url: str) -> FastAPI:
             body = await body_of(request)
             if isinstance(body, Exception):
                 return JSONResponse(error_body(f"the request body is not valid JSON: {body}", 400), status_code=400)
-            try:
-                return await proxy.generate(path, body)
-            except httpx.HTTPError as e:
-                return JSONResponse(error_body(f"an instance behind the proxy failed: {e!r}", 502), status_code=502)
+            return await proxy.generate(path, body)
         return route
 
     def decode_route(path: str):

@@ -20,7 +20,7 @@ class APIError(Exception):
         self.message, self.status, self.param = message, status, param
 
 
-ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
+ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError", 502: "BadGatewayError",
                503: "ServiceUnavailableError"}
 
 
