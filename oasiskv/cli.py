@@ -115,8 +115,14 @@ def draft_args(args: argparse.Namespace) -> tuple[str, str | None]:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    if not 0 < args.gpu_memory_utilization <= 1:
-        raise SystemExit(f"error: --gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    """The flags as configs; a value a config refuses (its __post_init__) is a one-line error."""
+    try:
+        return build_engine_config(args)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+
+
+def build_engine_config(args: argparse.Namespace) -> EngineConfig:
     cache = CacheConfig(block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
                         gpu_memory_gb=args.gpu_memory_gb, kv_cache_gb=args.kv_cache_gb,
                         num_kv_blocks=args.num_kv_blocks)

@@ -85,6 +85,14 @@ class CacheConfig:
     num_kv_blocks: int | None = None  # exact pool size, mainly for tests
     cpu_kv_cache_gb: float = 2.0  # default pool cap on machines without a GPU
 
+    def __post_init__(self):
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        for flag, value in (("--gpu-memory-gb", self.gpu_memory_gb), ("--kv-cache-gb", self.kv_cache_gb),
+                            ("cpu_kv_cache_gb", self.cpu_kv_cache_gb)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{flag} must be above 0, got {value}")
+
 
 KV_MODES = ("dense", "quest", "retrieval", "oasis", "oracle")  # oracle: eval only
 DRAFTS = ("ngram", "repeat", "eagle3", "ngram+eagle3", "target", "target+eagle3")
@@ -330,6 +338,11 @@ class SchedulerConfig:
     async_scheduling: bool | None = None
 
     def __post_init__(self):
+        for flag, value in (("--max-num-seqs", self.max_num_seqs), ("--max-num-batched-tokens",
+                                                                    self.max_num_batched_tokens),
+                            ("--max-model-len", 1 if self.max_model_len is None else self.max_model_len)):
+            if value < 1:
+                raise ValueError(f"{flag} must be at least 1, got {value}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, "
                              f"got {self.schedule_policy!r}")
@@ -371,6 +384,8 @@ class SamplingParams:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif self.stop is not None:
+            if not isinstance(self.stop, (list, tuple)) or not all(isinstance(x, str) for x in self.stop):
+                raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
             object.__setattr__(self, "stop", tuple(self.stop))
         if self.stop_token_ids is not None:
             object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))

@@ -126,6 +126,10 @@ def test_dummy_model_is_reproducible():
     (["--kv-mode", "quest", "--working-set", "4096"], "--working-set applies to the retrieval and oasis modes"),
     (["--kv-mode", "oasis", "--fetch-cap", "2"], "--fetch-cap must be in"),
     (["--prompt-file", "/no/such/file.txt"], "cannot read --prompt-file: .*No such file"),
+    (["--max-num-seqs", "0"], "--max-num-seqs must be at least 1, got 0"),
+    (["--max-model-len", "0"], "--max-model-len must be at least 1, got 0"),
+    (["--gpu-memory-utilization", "1.5"], r"--gpu-memory-utilization must be in \(0, 1\]"),
+    (["--kv-cache-gb", "-1"], "--kv-cache-gb must be above 0"),
 ])
 def test_cli_rejects_bad_flags_before_loading_weights(flags, message, monkeypatch):
     from oasiskv import cli

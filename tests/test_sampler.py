@@ -264,7 +264,7 @@ def test_sample_row_top_k_1_is_argmax():
     dict(max_tokens=0), dict(max_tokens=-3),
     dict(temperature=-0.01), dict(temperature=-1.0),
     dict(top_p=0.0), dict(top_p=-0.5), dict(top_p=1.0001), dict(top_p=2.0), dict(top_p=float("nan")),
-    dict(top_k=0), dict(top_k=-2), dict(top_k=-100),
+    dict(top_k=0), dict(top_k=-2), dict(top_k=-100), dict(stop=5), dict(stop=["a", 3]),
 ])
 def test_sampling_params_rejects(kwargs):
     with pytest.raises(ValueError):
