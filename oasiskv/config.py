@@ -338,10 +338,10 @@ class SchedulerConfig:
     async_scheduling: bool | None = None
 
     def __post_init__(self):
-        for flag, value in (("--max-num-seqs", self.max_num_seqs), ("--max-num-batched-tokens",
-                                                                    self.max_num_batched_tokens),
-                            ("--max-model-len", 1 if self.max_model_len is None else self.max_model_len)):
-            if value < 1:
+        sizes = {"--max-num-seqs": self.max_num_seqs, "--max-num-batched-tokens": self.max_num_batched_tokens,
+                 "--max-model-len": self.max_model_len}  # max_model_len None: the model's own
+        for flag, value in sizes.items():
+            if value is not None and value < 1:
                 raise ValueError(f"{flag} must be at least 1, got {value}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, "

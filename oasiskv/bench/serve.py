@@ -136,7 +136,7 @@ async def server_vocab_size(client: httpx.AsyncClient) -> int:
 
 def summarize(results: list[RequestResult], duration: float, args, model: str) -> dict:
     ok = [r for r in results if r.success]
-    percentiles = [float(p) for p in str(args.metric_percentiles).split(",") if p]
+    percentiles = percentiles_of(args)
     out_tokens, in_tokens = sum(r.output_tokens for r in ok), sum(r.prompt_len for r in ok)
     summary = {"model_id": model, "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
                "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
@@ -201,11 +201,15 @@ def check_args(args) -> None:
         if not ok:
             raise SystemExit(f"error: {flag} must be {rule}, got {value}")
     try:
-        percentiles = [float(p) for p in args.metric_percentiles.split(",")]
+        percentiles = percentiles_of(args)
     except ValueError:
-        percentiles = [-1.0]
-    if not all(0 < p <= 100 for p in percentiles):
+        percentiles = []
+    if not percentiles or not all(0 < p <= 100 for p in percentiles):
         raise SystemExit(f"error: --metric-percentiles must be numbers in (0, 100], got {args.metric_percentiles!r}")
+
+
+def percentiles_of(args) -> list[float]:
+    return [float(p) for p in str(args.metric_percentiles).split(",") if p]
 
 
 def main(args) -> dict:

@@ -3,8 +3,9 @@
   kv_layer[slot_blocks[t], 0, slot_offsets[t]] = k[t]
   kv_layer[slot_blocks[t], 1, slot_offsets[t]] = v[t]       for every token t of the step
 
-Torch does this as two advanced-index writes (index_put), which on the H200 took 113 us each per layer of a 16K
-qwen3-8b prefill (2 x 72 launches, 8.1 ms of a 535 ms prefill; 2026-12-04), about 0.3 TB/s for 33 MB of K or V.
+Torch does this as two advanced-index writes (index_put), which on the H200 took 113 us each in a 16K qwen3-8b
+prefill (72 launches, two a layer: 8.1 ms of a 535 ms prefill, about 0.3 TB/s for 33 MB of K or V; 2026-12-04,
+scripts/gpu_prefill_profile.py --modes dense).
 Here each program copies whole token rows (kv_heads x head_dim values) of both K and V.
 
 `kv_layer` is one layer of the pool, [blocks, 2, block_size, kv_heads, head_dim] with its last two dims contiguous;

@@ -49,12 +49,18 @@ def _rms_norm_kernel(out_ptr, x_ptr, w_ptr, ROWS_TOTAL, B, s_xa, s_xb, s_xd, s_w
     d = tl.arange(0, BLOCK_D)
     m = (row[:, None] < ROWS_TOTAL) & (d[None, :] < D)
     x = tl.load(x_ptr + a[:, None] * s_xa + b[:, None] * s_xb + d[None, :] * s_xd, mask=m, other=0.0)
+    out = _normed_rows(x, w_ptr, s_w, d, D, eps)
+    tl.store(out_ptr + row[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _normed_rows(x, w_ptr, s_w, d, D, eps):
+    # fp32 weight * cast(x / rms(x), x.dtype) for a [rows, BLOCK_D] tile (both kernels: the same bits)
     xf = x.to(tl.float32)
     ms = tl.sum(xf * xf, axis=1) / D
-    y = (xf * tl.rsqrt(ms + eps)[:, None]).to(x_ptr.dtype.element_ty)  # the cast to x.dtype, before the weight
+    y = (xf * tl.rsqrt(ms + eps)[:, None]).to(x.dtype)  # the cast to x.dtype, before the weight
     w = tl.load(w_ptr + d * s_w, mask=d < D, other=0.0)
-    out = w.to(tl.float32)[None, :] * y.to(tl.float32)
-    tl.store(out_ptr + row[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty), mask=m)
+    return w.to(tl.float32)[None, :] * y.to(tl.float32)
 
 
 @triton.jit
@@ -70,11 +76,7 @@ def _add_rms_norm_kernel(sum_ptr, out_ptr, x_ptr, delta_ptr, w_ptr, ROWS_TOTAL, 
     delta = tl.load(delta_ptr + at, mask=m, other=0.0)
     total = (x.to(tl.float32) + delta.to(tl.float32)).to(x_ptr.dtype.element_ty)
     tl.store(sum_ptr + at, total, mask=m)
-    xf = total.to(tl.float32)
-    ms = tl.sum(xf * xf, axis=1) / D
-    y = (xf * tl.rsqrt(ms + eps)[:, None]).to(x_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + d, mask=d < D, other=0.0)
-    out = w.to(tl.float32)[None, :] * y.to(tl.float32)
+    out = _normed_rows(total, w_ptr, 1, d, D, eps)
     tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -120,14 +122,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return out
     b = x.shape[-2] if x.dim() >= 2 else 1
     x3 = x.reshape(-1, b, d)  # a view unless the dims before -2 cannot merge (then a copy)
-    block_d = triton.next_power_of_2(d)
     rows = x3.shape[0] * b
-    per_program = max(1, _TILE_ELEMENTS // block_d)  # rows a program: a tile of about _TILE_ELEMENTS
-    _rms_norm_kernel[(triton.cdiv(rows, per_program),)](
-        out, x3, weight, rows, b, x3.stride(0), x3.stride(1), x3.stride(2), weight.stride(0), d, float(eps),
-        BLOCK_D=block_d, ROWS=per_program, num_warps=min(max(block_d * per_program // 256, 1), 8),
-    )
+    grid, tile = _tiles(rows, d)
+    _rms_norm_kernel[grid](out, x3, weight, rows, b, x3.stride(0), x3.stride(1), x3.stride(2), weight.stride(0), d,
+                           float(eps), **tile)
     return out
+
+
+def _tiles(rows: int, d: int) -> tuple[tuple[int], dict]:
+    """Both kernels' grid and tile: rows a program for a tile of about _TILE_ELEMENTS values, and its warps."""
+    block_d = triton.next_power_of_2(d)
+    per_program = max(1, _TILE_ELEMENTS // block_d)
+    warps = min(max(block_d * per_program // 256, 1), 8)
+    return (triton.cdiv(rows, per_program),), dict(BLOCK_D=block_d, ROWS=per_program, num_warps=warps)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
@@ -149,12 +156,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     if out.numel() == 0:
         return total, out
     rows, d = x.shape
-    block_d = triton.next_power_of_2(d)
-    per_program = max(1, _TILE_ELEMENTS // block_d)
-    _add_rms_norm_kernel[(triton.cdiv(rows, per_program),)](
-        total, out, x, delta, weight, rows, d, float(eps),
-        BLOCK_D=block_d, ROWS=per_program, num_warps=min(max(block_d * per_program // 256, 1), 8),
-    )
+    grid, tile = _tiles(rows, d)
+    _add_rms_norm_kernel[grid](total, out, x, delta, weight, rows, d, float(eps), **tile)
     return total, out
 
 
