@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
 from tqdm.auto import tqdm
 
-from oasiskv.config import CacheConfig, EngineConfig, KVConfig, SamplingParams, SchedulerConfig
+from oasiskv.config import CacheConfig, EngineConfig, KVConfig, SamplingParams, SchedulerConfig, is_integer
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.engine.request import Request
 
@@ -60,6 +61,26 @@ def split_kwargs(kwargs: dict) -> EngineConfig:
     return EngineConfig(**top, **{n: sections[n](**v) for n, v in nested.items()})
 
 
+def chat_messages(conv, index: int) -> list[dict]:
+    """A conversation checked: a non-empty list of {"role": str, "content": str or a list of text parts} dicts.
+    Returned with each list of parts joined into one string, as the server does."""
+    where = f"conversation {index}"
+    if not isinstance(conv, (list, tuple)) or not conv:
+        raise ValueError(f"{where}: a chat is a non-empty list of {{'role', 'content'}} dicts, got {reprlib.repr(conv)}")
+    out = []
+    for j, m in enumerate(conv):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"{where}, message {j}: a dict with a string 'role' is needed, got {reprlib.repr(m)}")
+        content = m.get("content")
+        if isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in content):
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise ValueError(f"{where}, message {j}: 'content' must be a string or a list of {{'type': 'text', "
+                             f"'text': ...}} parts, got {reprlib.repr(content)}")
+        out.append({**m, "content": content})
+    return out
+
+
 class LLM:
     def __init__(self, model: str | None = None, **kwargs):
         self.engine = LLMEngine(split_kwargs({"model": model, **kwargs}))
@@ -77,12 +98,19 @@ class LLM:
     def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if hasattr(prompts, "tolist"):  # a tensor or an array: one prompt of ids, or a batch of them
+            prompts = prompts.tolist()
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and is_integer(prompts[0])):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts: a string, a list of token ids, or a list of either; got {type(prompts).__name__}")
         params = sampling_params or SamplingParams()
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        wrong = next((p for p in params if not isinstance(p, SamplingParams)), None)
+        if wrong is not None:
+            raise ValueError(f"sampling_params: a SamplingParams or a list of them, got {type(wrong).__name__}")
         ids = []
         try:
             for p, sp in zip(prompts, params):
@@ -96,13 +124,21 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(conv) for conv in conversations]
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError(f"messages: a list of {{'role', 'content'}} dicts, or a list of such lists; got "
+                             f"{reprlib.repr(messages)}")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(chat_messages(conv, i)) for i, conv in enumerate(conversations)]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm, leave=False)
-        while self.engine.has_unfinished():
-            bar.update(len(self.engine.step()))
-        bar.close()
+        try:
+            while self.engine.has_unfinished():
+                bar.update(len(self.engine.step()))
+        except BaseException:  # an error or Ctrl-C: the next call must not run (or wait on) this call's requests
+            self.engine.discard(ids)
+            raise
+        finally:
+            bar.close()
         return [RequestOutput.from_request(self.engine.pop_finished(i)) for i in ids]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -367,6 +368,14 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
+SEED_RANGE = (-2 ** 63, 2 ** 64)  # what torch.Generator.manual_seed takes
+
+
+def is_integer(value) -> bool:
+    """An int, or numpy's ints; not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling, shaped like vLLM's."""
@@ -388,13 +397,26 @@ class SamplingParams:
                 raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
             object.__setattr__(self, "stop", tuple(self.stop))
         if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, (list, tuple)) or not all(map(is_integer, self.stop_token_ids)):
+                raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
             object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         self.validate()
+        for name in ("max_tokens", "top_k", "seed"):  # numpy's ints become Python's: torch's seeding takes no other
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))
 
     def validate(self) -> None:
         for name in ("max_tokens", "top_k"):
-            if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
+            if not is_integer(getattr(self, name)):
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        for name in ("temperature", "top_p"):
+            if not isinstance(getattr(self, name), numbers.Real) or isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
+        # a seed torch's generators refuse would fail the engine's step, not this request
+        if self.seed is not None and not (is_integer(self.seed) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         if not math.isfinite(self.temperature) or not math.isfinite(self.top_p):
             raise ValueError(f"temperature and top_p must be finite, got {self.temperature}, {self.top_p}")
         if self.max_tokens < 1:

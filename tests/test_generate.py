@@ -103,6 +103,80 @@ def test_generate_rejects_batch_with_a_bad_prompt_atomically(smollm_llm):
     assert not smollm_llm.engine.has_unfinished()
 
 
+@pytest.mark.parametrize("fields, message", [
+    ({"seed": "x"}, "seed"), ({"seed": 2 ** 64}, "seed"), ({"seed": -2 ** 63 - 1}, "seed"), ({"seed": True}, "seed"),
+    ({"temperature": "0.5"}, "temperature"), ({"top_p": None}, "top_p"), ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"stop_token_ids": ["2"]}, "stop_token_ids"), ({"stop_token_ids": 2}, "stop_token_ids"),
+])
+def test_sampling_params_refuse_what_the_step_would_fail_on(fields, message):
+    """A seed torch's generators refuse failed the engine's step (and the next generate then never returned)."""
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**fields)
+
+
+def test_sampling_params_take_the_seed_range_and_numpy_ints():
+    np = pytest.importorskip("numpy")
+    for seed in (-2 ** 63, 2 ** 64 - 1, np.int64(3)):
+        torch.Generator().manual_seed(SamplingParams(seed=seed).seed)  # what the sampler does with it
+    assert SamplingParams(stop_token_ids=[np.int64(7), 2]).stop_token_ids == (7, 2)
+
+
+def test_a_failed_generate_leaves_the_engine_ready(smollm_llm, monkeypatch):
+    """A step that raises (or Ctrl-C) inside generate: its requests are aborted and forgotten, and the next call
+    returns what it would have returned anyway."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = smollm_llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    engine = smollm_llm.engine
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("sampling failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine.sampler, "sample", fail)
+        with pytest.raises(RuntimeError, match="sampling failed"):
+            smollm_llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    assert not engine.has_unfinished() and not engine.requests
+    again = smollm_llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in expected]
+
+
+BAD_GENERATE = [  # (prompts, sampling params, message): each a ValueError that queues nothing
+    (None, None, "prompts: a string"), (5, None, "prompts: a string"), ([None], None, "prompt 0: a prompt is"),
+    ([[1.5, 2.0]], None, "integer token ids"), ([[True, False]], None, "integer token ids"),
+    (["hi", [1, "a"]], None, "prompt 1"), (["hi"], {"max_tokens": 3}, "SamplingParams"),
+]
+BAD_CHATS = [  # (messages, message)
+    ("hello", "messages: a list"), ([], "messages: a list"), ([{"role": "user"}], "message 0: 'content'"),
+    ([{"role": "user", "content": 5}], "'content' must be"), ([{"content": "hi"}], "string 'role'"),
+    ([[{"role": "user", "content": "hi"}], []], "conversation 1"),
+]
+
+
+def test_generate_and_chat_refuse_malformed_input_clearly(smollm_llm):
+    """Wrong types got TypeErrors from deep inside (or were truncated: float ids); each is now a ValueError that
+    names the prompt or message, and the engine stays empty."""
+    for prompts, params, message in BAD_GENERATE:
+        with pytest.raises(ValueError, match=message):
+            smollm_llm.generate(prompts, params, use_tqdm=False)
+    for messages, message in BAD_CHATS:
+        with pytest.raises(ValueError, match=message):
+            smollm_llm.chat(messages, use_tqdm=False)
+    assert not smollm_llm.engine.has_unfinished() and not smollm_llm.engine.requests
+
+
+def test_prompts_as_tensors_and_text_parts_match_their_plain_forms(smollm_llm):
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ids = smollm_llm.tokenizer.encode(PROMPTS[5])
+    plain = smollm_llm.generate([ids], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert smollm_llm.generate(torch.tensor(ids), greedy, use_tqdm=False)[0].outputs[0].token_ids == plain
+    batch = smollm_llm.generate(torch.tensor([ids, ids]), greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in batch] == [plain, plain]
+    chat = [{"role": "user", "content": "What is 2 + 2?"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is 2 + "}, {"type": "text", "text": "2?"}]}]
+    assert (smollm_llm.chat(parts, greedy, use_tqdm=False)[0].outputs[0].token_ids ==
+            smollm_llm.chat(chat, greedy, use_tqdm=False)[0].outputs[0].token_ids)
+
+
 def test_cli_reports_missing_model_clearly():
     proc = subprocess.run([sys.executable, "-m", "oasiskv.cli", "generate", "--prompt", "x", "--model",
                            "/no/such/model"], capture_output=True, text=True, timeout=120)

@@ -61,6 +61,14 @@ def test_greedy_params():
     assert not SamplingParams().greedy
 
 
+@pytest.mark.parametrize("temperature", [1e-38, 1e-40, 1e-300])
+def test_a_vanishing_temperature_samples_the_argmax(temperature):
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        logits = torch.randn(1000, generator=g) * 3
+        assert sample_row(logits, SamplingParams(temperature=temperature), g) == int(logits.argmax())
+
+
 def test_greedy_sample_row_is_argmax_and_ignores_top_k_top_p():
     g = torch.Generator().manual_seed(0)
     for i in range(50):

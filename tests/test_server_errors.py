@@ -79,6 +79,9 @@ BAD_COMPLETIONS = [  # (name, body: dict, raw bytes, or a function of the server
     ("too many logprobs", {"prompt": "hi", "logprobs": 21}, 400),
     ("stream_options without stream", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400),
     ("missing prompt", {"max_tokens": 2}, 400),
+    # seeds torch refuses failed the engine's step, which lost every request and refused new ones
+    ("seed beyond torch's range", {"prompt": "hi", "seed": 2 ** 64}, 400),
+    ("second choice's seed beyond it", {"prompt": "hi", "n": 2, "seed": 2 ** 64 - 1}, 400),
     ("unknown model", {"prompt": "hi", "model": "no-such-model"}, 404),
 ]
 BAD_CHATS = [

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import reprlib
 import time
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 
-from oasiskv.config import EngineConfig, SamplingParams
+from oasiskv.config import EngineConfig, SamplingParams, is_integer
 from oasiskv.distributed.launch import start_tensor_parallel
 from oasiskv.distributed.setup import attach_score_combiner, shard_for_rank
 from oasiskv.engine.request import Request
@@ -176,14 +177,20 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
         """Queues a request; raises ValueError (and queues nothing) if it can never run."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
+        if hasattr(prompt, "tolist"):  # a tensor or an array of token ids
+            prompt = prompt.tolist()
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
-        else:
+        elif isinstance(prompt, (list, tuple)) and all(map(is_integer, prompt)):
             text, ids = None, [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
             if bad:
                 raise ValueError(f"token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}")
+        else:
+            raise ValueError(f"a prompt is a string or a list of integer token ids, got {reprlib.repr(prompt)}")
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -200,6 +207,16 @@ class LLMEngine:
             self.release_draft(request_id)
             self.sampler.forget(request_id)
             req.kv_stats = self.policy.request_stats(request_id)
+
+    def discard(self, request_ids: list[str]) -> None:
+        """Abort and forget these requests: what a caller's step loop does after an error or an interrupt, so
+        that its next call neither runs nor waits on them. A launched step that held only them is dropped too."""
+        for rid in request_ids:
+            if rid in self.requests:
+                self.abort(rid)
+                self.pop_finished(rid)
+        if self.in_flight is not None and set(self.in_flight.request_ids) <= set(request_ids):
+            self.in_flight = None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self.in_flight is not None

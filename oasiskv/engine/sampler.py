@@ -6,6 +6,8 @@ import torch
 
 from oasiskv.config import SamplingParams
 
+MIN_TEMPERATURE = 1e-30
+
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """logits [V] -> logits with the excluded tokens at -inf."""
@@ -30,7 +32,10 @@ def draw_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Gene
     """The sampled token as a 0-d int64 tensor on the logits' device (no host sync)."""
     if params.greedy:
         return torch.argmax(logits)
-    logits = apply_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
+    # The max subtracted first, and a floor (fp32's floats end near 1e-38): logits / 1e-40 overflowed to inf, whose
+    # softmax is NaN, and token 0 came out. Below the floor the draw is already the argmax's (ties shared).
+    temperature = max(params.temperature, MIN_TEMPERATURE)
+    logits = apply_top_k_top_p((logits - logits.max()) / temperature, params.top_k, params.top_p)
     probs = logits.softmax(-1)
     # exponential race: argmax(p / E), E ~ Exp(1), samples from p (one draw per vocab entry)
     noise = torch.empty_like(probs).exponential_(generator=generator)
