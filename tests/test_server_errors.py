@@ -188,3 +188,28 @@ def test_64_concurrent_clients_complete_and_counters_match(served):
     assert delta("oasiskv:time_to_first_token_seconds_count") == 64
     assert delta("oasiskv:e2e_request_latency_seconds_count") == 64
     assert delta("oasiskv:inter_token_latency_seconds_count") == 64 * 2
+
+
+@pytest.mark.parametrize("command", ["serve", "proxy"])
+def test_a_port_that_cannot_be_listened_on_fails_before_weights_load(command, monkeypatch):
+    """uvicorn found a busy port only after the engine was built (minutes for a large model)."""
+    import socket
+
+    from oasiskv import cli
+    from oasiskv.engine import engine
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("weights were loaded before the port was checked")
+
+    monkeypatch.setattr(engine, "load_model", no_loading)
+    extra = ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"] if command == "proxy" else []
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(SystemExit, match=f"cannot listen on 127.0.0.1:{port}: .*in use"):
+            cli.main([command, "--port", str(port), *extra])
+    with pytest.raises(SystemExit, match="--port must be in 0..65535"):
+        cli.main([command, "--port", "70000", *extra])
+    with pytest.raises(SystemExit, match="cannot listen on no-such-host.invalid"):
+        cli.main([command, "--host", "no-such-host.invalid", "--port", "0", *extra])

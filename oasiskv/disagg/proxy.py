@@ -139,6 +139,9 @@ def build_proxy_app(prefill_url: str, decode_url: str) -> FastAPI:
 def serve_proxy(args) -> None:
     import uvicorn
 
+    from oasiskv.server.app import check_listen
+
+    check_listen(args.host, args.port, "proxy")
     app = build_proxy_app(args.prefill, args.decode)
     print(f"oasiskv proxy: prefill {args.prefill}, decode {args.decode}, on http://{args.host}:{args.port}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -199,6 +200,21 @@ class BackgroundServer:
         self.stop()
 
 
+def check_listen(host: str, port: int, command: str) -> None:
+    """Fails at once, before any weights load, where uvicorn could not listen: a port in use or out of range, a
+    host that is not this machine's. uvicorn binds with SO_REUSEADDR; so does this check."""
+    if not 0 <= port <= 65535:
+        raise SystemExit(f"oasiskv {command}: --port must be in 0..65535, got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(address)
+    except OSError as e:
+        raise SystemExit(f"oasiskv {command}: cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 def serve(args) -> None:
     """`oasiskv serve`: builds the engine from the engine flags and serves it."""
     import uvicorn
@@ -206,6 +222,7 @@ def serve(args) -> None:
     from oasiskv.cli import checked_engine_config, disagg_config
     from oasiskv.disagg.server import build_engine
 
+    check_listen(args.host, args.port, "serve")
     engine, role = build_engine(checked_engine_config(args), disagg_config(args))
     app = build_app(engine, args.served_model_name, role)
     print(f"oasiskv: serving {app.state.server.model_name} ({engine.kv_description}) on "
