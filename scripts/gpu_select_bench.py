@@ -17,7 +17,7 @@ import json
 import torch
 
 from oasiskv.config import KVConfig
-from oasiskv.kernels.block_select import select_blocks_padded
+from oasiskv.kernels.selection_rule import select_blocks_padded
 from oasiskv.kernels.block_topk import predict_prefetch, predict_prefetch_reference, select_blocks_fused
 
 DEFAULTS = KVConfig()

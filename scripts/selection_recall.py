@@ -25,7 +25,8 @@ import torch
 
 from oasiskv.cli import main as cli_main
 from oasiskv.kernels.block_mass import block_mass_scores_multi_reference, scores_from_logits
-from oasiskv.kernels.block_select import block_scores_reference, select_blocks_padded
+from oasiskv.kernels.block_select import block_scores_reference
+from oasiskv.kernels.selection_rule import select_blocks_padded
 from oasiskv.policies.oracle import attention_mass_per_head
 from oasiskv.policies.sparse import QuestPolicy
 

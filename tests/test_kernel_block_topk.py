@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from oasiskv.kernels import block_topk
-from oasiskv.kernels.block_select import select_blocks_padded
+from oasiskv.kernels.selection_rule import select_blocks_padded
 from oasiskv.kernels.block_topk import (
     blocks_mask,
     plan_prefetch_reference,

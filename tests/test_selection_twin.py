@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from oasiskv.kernels.block_select import block_scores_reference, select_blocks_padded
+from oasiskv.kernels.block_select import block_scores_reference
+from oasiskv.kernels.selection_rule import select_blocks_padded
 from scripts import selection_twin as twin
 
 

@@ -27,7 +27,8 @@ from oasiskv.bench.report import print_table, sig, write_json
 from oasiskv.config import BenchConfig
 from oasiskv.engine.engine import pick_device, pick_dtype
 from oasiskv.kernels.block_mass import block_mass_scores_multi, block_mass_scores_multi_reference
-from oasiskv.kernels.block_select import block_scores, block_scores_reference, select_blocks_padded
+from oasiskv.kernels.block_select import block_scores, block_scores_reference
+from oasiskv.kernels.selection_rule import select_blocks_padded
 from oasiskv.kernels.host_gather import gather_host_blocks, gather_host_blocks_reference
 from oasiskv.kernels.sparse_decode import sparse_decode_attention, sparse_decode_reference
 

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from oasiskv.kernels.block_select import _check_select_args, _check_select_values, select_blocks_padded
+from oasiskv.kernels.selection_rule import _check_select_args, _check_select_values, select_blocks_padded
 
 __all__ = ["select_blocks_fused", "plan_prefetch_reference", "predict_prefetch",
            "predict_prefetch_reference", "blocks_mask"]

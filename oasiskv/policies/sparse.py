@@ -15,8 +15,9 @@ import torch
 from oasiskv.config import KVConfig
 from oasiskv.kernels.block_mass import block_mass_scores_multi, block_mass_scores_multi_reference
 from oasiskv.kernels.block_select import (block_scores, block_scores_multi, block_scores_multi_reference,
-                                          block_scores_reference, select_blocks_padded)
+                                          block_scores_reference)
 from oasiskv.kernels.block_topk import select_blocks_fused
+from oasiskv.kernels.selection_rule import select_blocks_padded
 from oasiskv.kernels.list_scores import listed_scores, listed_scores_reference
 from oasiskv.kernels.paged_decode import paged_decode_attention, paged_decode_reference
 from oasiskv.kernels.shortlist_mass import shortlist_block_lse, shortlist_block_lse_reference
