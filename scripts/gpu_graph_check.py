@@ -34,10 +34,11 @@ def engine_for(args, mode: str, eager: bool, dtype: str, context: int, steps: in
         kv.setdefault("block_score", args.block_score)
     if getattr(args, "miss_policy", None) and mode == "oasis":
         kv.setdefault("miss_policy", args.miss_policy)
+    chunk = getattr(args, "chunk", None) or 16384  # --max-num-batched-tokens, where the script has --chunk
     cfg = EngineConfig(model=args.model, load_format="dummy", dtype=dtype, show_progress=False, enforce_eager=eager,
                        kv=KVConfig(mode=mode, budget=args.budget, host_kv_gb=args.host_gb, **kv),
                        cache=CacheConfig(gpu_memory_gb=args.gpu_gb),
-                       scheduler=SchedulerConfig(max_num_batched_tokens=16384, max_model_len=context + steps + 64,
+                       scheduler=SchedulerConfig(max_num_batched_tokens=chunk, max_model_len=context + steps + 64,
                                                  async_scheduling=overlap))
     return LLMEngine(cfg)
 

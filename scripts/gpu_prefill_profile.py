@@ -2,7 +2,7 @@
 of one prompt each, then one step under torch.profiler, with the kernels by device time and the host-side
 operators by self CPU time. Random-weight model; each prompt samples one token and finishes.
 
-    PYTHONPATH=. python scripts/gpu_prefill_profile.py [--model qwen3-8b] [--context 16384] [--modes quest,oasis]
+    PYTHONPATH=. python scripts/gpu_prefill_profile.py [--model qwen3-8b] [--context 16384] [--modes quest,oasis] [--chunk 4096]
 """
 from __future__ import annotations
 
@@ -41,6 +41,7 @@ def main() -> None:
     p.add_argument("--modes", default="quest,oasis")
     p.add_argument("--prompts", type=int, default=5)
     p.add_argument("--budget", type=int, default=2048)
+    p.add_argument("--chunk", type=int, default=16384, help="--max-num-batched-tokens: prefill chunk size")
     p.add_argument("--gpu-gb", type=float, default=72)
     p.add_argument("--host-gb", type=float, default=32)
     p.add_argument("--rows", type=int, default=12)
