@@ -151,12 +151,20 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="seed of this request's sampler (default: drawn from the engine's --seed)")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--repetition-penalty", type=float, default=SAMPLING_DEFAULTS.repetition_penalty,
+                   help="above 1 discourages the prompt's and output's tokens (transformers' rule)")
+    g.add_argument("--presence-penalty", type=float, default=SAMPLING_DEFAULTS.presence_penalty)
+    g.add_argument("--frequency-penalty", type=float, default=SAMPLING_DEFAULTS.frequency_penalty)
+    g.add_argument("--min-tokens", type=int, default=SAMPLING_DEFAULTS.min_tokens,
+                   help="no EOS, stop token or stop string before this many tokens")
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     try:
         return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                              top_k=args.top_k, seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos)
+                              top_k=args.top_k, seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos,
+                              presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                              repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
 

@@ -388,6 +388,12 @@ class SamplingParams:
     stop: tuple[str, ...] | list[str] | str | None = None
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     ignore_eos: bool = False
+    # vLLM's penalties (engine/penalties.py): presence and frequency over the output tokens, OpenAI's rule;
+    # repetition (CTRL, transformers' rule) over the prompt and output tokens
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled, and stop strings do not stop, before this many
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -401,15 +407,15 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
             object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         self.validate()
-        for name in ("max_tokens", "top_k", "seed"):  # numpy's ints become Python's: torch's seeding takes no other
+        for name in ("max_tokens", "top_k", "min_tokens", "seed"):  # numpy's ints become Python's: torch's seeding takes no other
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
 
     def validate(self) -> None:
-        for name in ("max_tokens", "top_k"):
+        for name in ("max_tokens", "top_k", "min_tokens"):
             if not is_integer(getattr(self, name)):
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             if not isinstance(getattr(self, name), numbers.Real) or isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
         # a seed torch's generators refuse would fail the engine's step, not this request
@@ -419,6 +425,13 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         if not math.isfinite(self.temperature) or not math.isfinite(self.top_p):
             raise ValueError(f"temperature and top_p must be finite, got {self.temperature}, {self.top_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 1e4:  # (an infinite penalty is no rule: finite, positive)
+            raise ValueError(f"repetition_penalty must be in (0, 1e4], got {self.repetition_penalty}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -431,6 +444,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether sampling reads the request's tokens (penalties, min_tokens): each step's tokens must then be on
+        the host before the next step samples, so async scheduling pauses while such a request runs."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+                or self.min_tokens > 0)
 
 
 @dataclass(frozen=True)

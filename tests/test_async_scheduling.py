@@ -154,6 +154,22 @@ def test_logprobs_pause_async_scheduling_and_match_the_synchronous_run(tmp_path)
     assert async_logprobs == logprobs
 
 
+@pytest.mark.parametrize("mode", ["dense", "oasis"])
+def test_penalties_pause_async_scheduling_and_match_the_synchronous_run(tmp_path, mode):
+    """A request whose sampling reads its own tokens (penalties, min_tokens) needs each step's token on the host
+    before the next one is sampled: the engine reads each step while such a request runs."""
+    greedy = SP(temperature=0, max_tokens=30, ignore_eos=True)
+    free = run(tiny_engine(tmp_path, mode, False), {str(i): greedy for i in range(4)})[0]
+    stop = free["2"][2]  # a token request 2 draws early: with min_tokens it may not end the request before 10
+    params = {"0": greedy, "1": SP(temperature=0, max_tokens=30, repetition_penalty=1.5, frequency_penalty=0.5),
+              "2": SP(temperature=0, max_tokens=30, stop_token_ids=[stop], min_tokens=10, presence_penalty=0.3),
+              "3": SP(temperature=0.8, seed=3, max_tokens=30, repetition_penalty=1.2)}
+    expected = run(tiny_engine(tmp_path, mode, False), params)
+    got = run(tiny_engine(tmp_path, mode, True), params)
+    assert got[0] == expected[0] and got[1] == expected[1]
+    assert expected[0]["1"] != free["1"] and len(expected[0]["2"]) >= 10 and stop not in expected[0]["2"][:10]
+
+
 def test_teacher_forcing_pauses_async_scheduling_and_scores_the_same(tmp_path):
     """The eval's forcing sampler gives the engine its tokens from the host: with async scheduling configured, the
     scores are those of the synchronous engine."""

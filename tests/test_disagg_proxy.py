@@ -136,3 +136,12 @@ def test_every_route_reports_instances_that_are_down_as_a_502():
             error = r.json()["error"]
             assert error["type"] == "BadGatewayError" and "an instance behind the proxy failed" in error["message"]
         assert httpx.get(url + "/health").status_code == 503
+
+
+def test_the_prefill_keeps_min_tokens_to_its_one_token(proxied):
+    """min_tokens 4 on a prefill asked for max_tokens 1 is refused (min_tokens > max_tokens); its one token must
+    still not be EOS, so it gets min_tokens 1, and the decode instance the request's own."""
+    client, seen = proxied
+    seen.clear()
+    client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5, "min_tokens": 4})
+    assert seen["prefill"]["min_tokens"] == 1 and seen["decode"]["min_tokens"] == 4

@@ -15,6 +15,7 @@ from oasiskv.server.app import BackgroundServer, build_app
 
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,"]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.4, repetition_penalty=1.3, min_tokens=6)
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,9 @@ def served(smollm_llm):
     """References from the offline API first, then one server over the same loaded engine."""
     greedy = SamplingParams(temperature=0, max_tokens=8)
     refs = {"completions": smollm_llm.generate(PROMPTS, greedy, use_tqdm=False),
-            "chat": smollm_llm.chat(CHAT, greedy, use_tqdm=False)[0]}
+            "chat": smollm_llm.chat(CHAT, greedy, use_tqdm=False)[0],
+            "penalized": smollm_llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12, **PENALTIES),
+                                             use_tqdm=False)[0]}
     app = build_app(smollm_llm.engine)
     with BackgroundServer(app) as url:
         yield url, app.state.server, refs
@@ -67,6 +70,17 @@ def test_greedy_completions_match_the_offline_api(served, client):
     assert [c.text for c in out.choices] == [r.outputs[0].text for r in refs["completions"]]
     assert out.usage.prompt_tokens == sum(len(state.tokenizer.hf(p)["input_ids"]) for p in PROMPTS)
     assert out.usage.completion_tokens == sum(len(r.outputs[0].token_ids) for r in refs["completions"])
+
+
+def test_penalties_and_min_tokens_match_the_offline_api(served, http):
+    """vLLM's fields, at the top level of the body."""
+    ref = served[2]["penalized"].outputs[0]
+    out = http.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0, **PENALTIES})
+    assert out.status_code == 200 and out.json()["choices"][0]["text"] == ref.text
+    plain = http.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0}).json()
+    assert plain["choices"][0]["text"] != ref.text
+    bad = http.post("/v1/completions", json={"prompt": "hi", "presence_penalty": 3})
+    assert bad.status_code == 400 and "presence_penalty" in bad.json()["error"]["message"]
 
 
 def test_token_id_prompt_and_stop_string(served, client):

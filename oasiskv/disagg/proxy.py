@@ -62,6 +62,8 @@ def answered_by_prefill(body: dict) -> bool:
 
 def prefill_body(body: dict) -> dict:
     out = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
+    if isinstance(out.get("min_tokens"), int) and out["min_tokens"] > 1:  # the one token it samples must not be EOS
+        out["min_tokens"] = 1
     return {**out, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
 
 

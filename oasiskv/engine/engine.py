@@ -13,6 +13,7 @@ import torch
 from oasiskv.config import EngineConfig, SamplingParams, is_integer
 from oasiskv.distributed.launch import start_tensor_parallel
 from oasiskv.distributed.setup import attach_score_combiner, shard_for_rank
+from oasiskv.engine.penalties import TokenHistory
 from oasiskv.engine.request import Request
 from oasiskv.engine.cuda_graph import DecodeGraphs
 from oasiskv.engine.overlap import InFlight, resolve_async_scheduling
@@ -249,7 +250,9 @@ class LLMEngine:
             self.stats.step_time_s += time.perf_counter() - t0
             return landed
         params = [self.requests[r].params for r in result.request_ids]
-        tokens = self.sampler.sample(result.logits, result.request_ids, params) if result.request_ids else []
+        histories = self.token_histories(result.request_ids, params)
+        extra = (histories,) if histories is not None else ()  # (samplers of evals and tests take three arguments)
+        tokens = self.sampler.sample(result.logits, result.request_ids, params, *extra) if result.request_ids else []
         self.sampled_from = {rid: len(self.requests[rid].output_token_ids) for rid in result.request_ids}
         self.stats.step_time_s += time.perf_counter() - t0
         finished = landed + self.accept_tokens(result.request_ids, tokens, result.chunks, result.draft_ids)
@@ -292,9 +295,24 @@ class LLMEngine:
     def overlap_now(self) -> bool:
         """Plan the next step before this one's tokens are read (--async-scheduling). Not with a host draft source
         set after construction (as the tests' teacher is), nor while the sampler reads each step (the server's
-        logprobs): both need each step's tokens on the host."""
+        logprobs) or a request's sampling reads its tokens (penalties, min_tokens): all need each step's tokens
+        on the host."""
         return (self.async_scheduling and (self.drafter is None or self.drafter.on_device)
-                and not self.sampler.reads_each_step)
+                and not self.sampler.reads_each_step
+                and not any(r.params.reads_history for r in self.requests.values() if not r.finished))
+
+    def token_histories(self, request_ids: list[str], params: list[SamplingParams]) -> list[TokenHistory | None] | None:
+        """Per sampling row, the tokens its penalties and min_tokens read (None: it has none); None when no row has."""
+        if not any(p.reads_history for p in params):
+            return None
+        return [self.token_history(self.requests[rid]) if p.reads_history else None
+                for rid, p in zip(request_ids, params)]
+
+    def token_history(self, req: Request) -> TokenHistory:
+        p, banned = req.params, ()
+        if len(req.output_token_ids) < p.min_tokens:
+            banned = tuple(p.stop_token_ids or ()) + (() if p.ignore_eos else tuple(self.eos_token_ids))
+        return TokenHistory(req.prompt_token_ids, req.output_token_ids, banned)
 
     def land(self) -> list[Request]:
         """Reads the tokens of the step in flight (waiting for it) and applies them."""
@@ -357,6 +375,16 @@ class LLMEngine:
 
     def stop_reason(self, req: Request, token: int) -> str | None:
         p = req.params
+        reason = self.stop_by_content(req, token) if len(req.output_token_ids) >= p.min_tokens else None
+        # (the tokens the host has: with async scheduling the next step's may be pending already)
+        if reason is None and (len(req.output_token_ids) >= p.max_tokens or
+                               len(req.prompt_token_ids) + len(req.output_token_ids) >= self.max_model_len):
+            return "length"
+        return reason
+
+    def stop_by_content(self, req: Request, token: int) -> str | None:
+        """EOS, a stop token or a stop string (min_tokens reached)."""
+        p = req.params
         if not p.ignore_eos and token in self.eos_token_ids:
             return "stop"
         if p.stop_token_ids and token in p.stop_token_ids:
@@ -367,10 +395,6 @@ class LLMEngine:
             if cut >= 0:
                 req.output_text = text[:cut]
                 return "stop_string"
-        # (the tokens the host has: with async scheduling the next step's may be pending already)
-        if len(req.output_token_ids) >= p.max_tokens or \
-                len(req.prompt_token_ids) + len(req.output_token_ids) >= self.max_model_len:
-            return "length"
         return None
 
     @property

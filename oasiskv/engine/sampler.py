@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from oasiskv.config import SamplingParams
+from oasiskv.engine.penalties import TokenHistory, apply_penalties, token_mask
 
 MIN_TEMPERATURE = 1e-30
 
@@ -49,6 +50,7 @@ class Sampler:
         self.device = device
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
         self.generators: dict[str, torch.Generator] = {}
+        self.prompt_seen: dict[str, torch.Tensor] = {}  # request -> its prompt's token mask (repetition penalty)
 
     def generator_for(self, request_id: str, params: SamplingParams) -> torch.Generator:
         if params.seed is None:
@@ -57,18 +59,38 @@ class Sampler:
             self.generators[request_id] = torch.Generator(device=self.device).manual_seed(params.seed)
         return self.generators[request_id]
 
-    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
-        """logits [S, V] fp32, one row per sampling request."""
-        return self.sample_on_device(logits, request_ids, params).tolist()
+    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
+               histories: list[TokenHistory | None] | None = None) -> list[int]:
+        """logits [S, V] fp32, one row per sampling request. histories: per row, the tokens its penalties read
+        (None where it has none; see engine/penalties.py)."""
+        return self.sample_on_device(logits, request_ids, params, histories).tolist()
 
-    def sample_on_device(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]
-                         ) -> torch.Tensor:
+    def sample_on_device(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
+                         histories: list[TokenHistory | None] | None = None) -> torch.Tensor:
         """The tokens as int64 [S] on the logits' device, without waiting for them (async scheduling reads them a
         step later). The draws are those of `sample`: the same ops on the same generators, in row order."""
+        if histories is not None and any(h is not None for h in histories):
+            logits = self.penalized(logits, request_ids, params, histories)
         if all(p.greedy for p in params):
             return torch.argmax(logits, dim=-1)
         return torch.stack([draw_row(logits[i], p, self.generator_for(rid, p))
                             for i, (rid, p) in enumerate(zip(request_ids, params))])
 
+    def penalized(self, logits, request_ids, params, histories) -> torch.Tensor:
+        """A copy of the logits with each history's penalties applied to its row (the caller's rows stay raw:
+        logprobs are reported before penalties, as vLLM does by default)."""
+        logits = logits.clone()
+        for i, (rid, p, history) in enumerate(zip(request_ids, params, histories)):
+            if history is None:
+                continue
+            seen = None
+            if p.repetition_penalty != 1:
+                if rid not in self.prompt_seen:
+                    self.prompt_seen[rid] = token_mask(history.prompt, logits.shape[-1], logits.device)
+                seen = self.prompt_seen[rid]
+            logits[i] = apply_penalties(logits[i], history, p, seen)
+        return logits
+
     def forget(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        self.prompt_seen.pop(request_id, None)

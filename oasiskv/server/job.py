@@ -21,7 +21,9 @@ def sampling_params(body: SamplingFields, max_tokens: int, choice: int) -> Sampl
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if not body.top_k else body.top_k,
             seed=None if body.seed is None else body.seed + choice, stop=stop or None,
-            stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos)
+            stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+            min_tokens=body.min_tokens)
     except ValueError as e:
         raise APIError(str(e)) from e
 

@@ -60,6 +60,10 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[StrictInt] | None = None
     seed: int | None = None
     ignore_eos: bool = False
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0)
+    min_tokens: int = Field(0, ge=0)
     stream: bool = False
     stream_options: StreamOptions | None = None
     kv_transfer_params: dict | None = None  # prefill/decode disaggregation (vLLM's field): oasiskv/disagg/

@@ -1,0 +1,60 @@
+"""vLLM's sampling penalties and min_tokens, applied to a request's logits row before temperature, top-k/top-p and
+the draw (greedy requests included, as in vLLM).
+
+- repetition_penalty r (CTRL; transformers' RepetitionPenaltyLogitsProcessor): every token id seen in the prompt or
+  the output has its logit divided by r where positive, multiplied by r where negative;
+- frequency_penalty f and presence_penalty p (OpenAI's rule): logit -= f * (times the id occurs in the output)
+  + p * (1 if it occurs in the output at all);
+- min_tokens: while the output is shorter, EOS and the stop token ids cannot be drawn (their logits are -inf).
+
+The engine hands each such request's ids over as a TokenHistory (plain ints); a request's prompt mask is built once
+and kept by the sampler (Sampler.prompt_seen)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from oasiskv.config import SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenHistory:
+    """A request's tokens, as its penalties read them."""
+
+    prompt: list[int]
+    output: list[int]
+    banned: tuple[int, ...] = ()  # ids that cannot be drawn now (EOS and stop ids before min_tokens)
+
+
+def token_mask(ids: list[int], vocab: int, device) -> torch.Tensor:
+    """bool [vocab]: True at each id in `ids`."""
+    mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+    if ids:
+        mask[torch.tensor(ids, dtype=torch.long, device=device)] = True
+    return mask
+
+
+def apply_penalties(logits: torch.Tensor, history: TokenHistory, params: SamplingParams,
+                    prompt_seen: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [V] fp32 -> a new row with the request's penalties and bans applied. prompt_seen: the prompt's
+    token_mask, where the caller keeps it (else built here)."""
+    vocab, device = logits.shape[0], logits.device
+    logits = logits.clone()
+    counts = torch.zeros(vocab, dtype=logits.dtype, device=device)
+    if history.output:
+        ids = torch.tensor(history.output, dtype=torch.long, device=device)
+        counts.index_add_(0, ids, torch.ones(len(history.output), dtype=logits.dtype, device=device))
+    if params.repetition_penalty != 1:
+        seen = counts > 0
+        seen |= prompt_seen if prompt_seen is not None else token_mask(history.prompt, vocab, device)
+        r = params.repetition_penalty
+        logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    if params.frequency_penalty != 0:
+        logits -= params.frequency_penalty * counts
+    if params.presence_penalty != 0:
+        logits -= params.presence_penalty * (counts > 0).to(logits.dtype)
+    banned = [t for t in history.banned if 0 <= t < vocab]  # a stop id may lie outside the vocabulary
+    if banned:
+        logits[torch.tensor(banned, dtype=torch.long, device=device)] = float("-inf")
+    return logits

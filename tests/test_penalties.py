@@ -1,0 +1,121 @@
+"""Sampling penalties and min_tokens (engine/penalties.py) against independent references: transformers' logits
+processors and generate on the embedded SmolLM2, and OpenAI's formula written out token by token."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import RepetitionPenaltyLogitsProcessor
+
+from oasiskv.api import SamplingParams
+from oasiskv.engine.penalties import TokenHistory, apply_penalties
+from oasiskv.engine.sampler import Sampler
+
+PROMPT = "Write a list of fruits: apple, banana, apple, banana,"
+
+
+def random_case(seed: int, vocab: int = 300):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(vocab, generator=g) * 4
+    prompt = torch.randint(0, vocab, (40,), generator=g).tolist()
+    output = torch.randint(0, vocab, (25,), generator=g).tolist()  # repeats: 25 draws from 300 ids, and seed-made
+    return logits, prompt, output + output[:5]
+
+
+@pytest.mark.parametrize("penalty", [0.7, 1.3, 2.0])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_repetition_penalty_is_transformers_rule(penalty, seed):
+    logits, prompt, output = random_case(seed)
+    ours = apply_penalties(logits, TokenHistory(prompt, output), SamplingParams(repetition_penalty=penalty))
+    theirs = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([prompt + output]), logits[None].clone())[0]
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("presence, frequency", [(0.5, 0.0), (0.0, 0.7), (-1.0, 1.5), (2.0, -2.0)])
+def test_presence_and_frequency_follow_openais_formula(presence, frequency):
+    logits, prompt, output = random_case(3)
+    ours = apply_penalties(logits, TokenHistory(prompt, output),
+                           SamplingParams(presence_penalty=presence, frequency_penalty=frequency))
+    want = logits.tolist()
+    for token in set(output):  # mu[j] - c[j] * frequency - (c[j] > 0) * presence; the prompt does not count
+        want[token] -= output.count(token) * frequency + presence
+    torch.testing.assert_close(ours, torch.tensor(want), rtol=0, atol=1e-5)
+
+
+def test_banned_ids_cannot_be_drawn_and_ids_beyond_the_vocabulary_are_ignored():
+    logits, prompt, output = random_case(4)
+    banned = (int(logits.argmax()), 7, 10 ** 30, -1)
+    out = apply_penalties(logits, TokenHistory(prompt, output, banned), SamplingParams(min_tokens=3))
+    assert out[banned[0]] == float("-inf") and out[7] == float("-inf")
+    keep = torch.ones_like(logits, dtype=torch.bool)
+    keep[[banned[0], 7]] = False
+    assert torch.equal(out[keep], logits[keep])
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    history = TokenHistory(prompt, output, banned)
+    assert sampler.sample(logits[None], ["r"], [SamplingParams(temperature=0, min_tokens=3)], [history]) != \
+        [banned[0]]
+
+
+def test_the_sampler_keeps_its_callers_logits_raw():
+    logits, prompt, output = random_case(5)
+    rows = logits[None].repeat(2, 1)
+    before = rows.clone()
+    params = [SamplingParams(temperature=0, repetition_penalty=3.0), SamplingParams(temperature=0)]
+    Sampler(torch.device("cpu"), seed=0).sample(rows, ["a", "b"], params, [TokenHistory(prompt, output), None])
+    assert torch.equal(rows, before)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"presence_penalty": float("nan")}, "presence_penalty"), ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"), ({"min_tokens": 1.5}, "min_tokens"),
+])
+def test_bad_penalties_are_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**fields)
+
+
+def hf_generate(hf, ids: list[int], n: int, **kwargs) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=2, **kwargs)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.8])
+def test_greedy_with_repetition_penalty_equals_transformers_generate(smollm_llm, smollm_hf, penalty):
+    ids = smollm_llm.tokenizer.encode(PROMPT)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=penalty)
+    ours = smollm_llm.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert ours == hf_generate(smollm_hf, ids, 16, repetition_penalty=penalty, eos_token_id=None)
+    if penalty > 1:  # it breaks the loop greedy falls into here (below 1 it favours that loop)
+        plain = smollm_llm.generate([ids], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                                    use_tqdm=False)[0].outputs[0].token_ids
+        assert ours != plain
+
+
+def test_min_tokens_equals_transformers_min_new_tokens(smollm_llm, smollm_hf):
+    chat = smollm_llm.tokenizer.apply_chat_template([{"role": "user", "content": "Say only: yes"}])
+    eos = sorted(smollm_llm.engine.eos_token_ids)
+    free = smollm_llm.generate([chat], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0]
+    assert free.finish_reason == "stop" and len(free.token_ids) < 20  # it stops early of itself
+    k = len(free.token_ids) + 5
+    params = SamplingParams(temperature=0, max_tokens=40, min_tokens=k)
+    held = smollm_llm.generate([chat], params, use_tqdm=False)[0].outputs[0]
+    assert len(held.token_ids) >= k and not set(held.token_ids[:k]) & set(eos)
+    assert held.token_ids == hf_generate(smollm_hf, chat, 40, min_new_tokens=k, eos_token_id=eos)  # EOS included
+
+
+def test_presence_and_frequency_in_generation_equal_a_token_by_token_loop(smollm_llm, smollm_hf):
+    ids = smollm_llm.tokenizer.encode(PROMPT)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, presence_penalty=0.8,
+                            frequency_penalty=0.6)
+    ours = smollm_llm.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids
+    seq, out = list(ids), []
+    with torch.no_grad():
+        for _ in range(10):
+            logits = smollm_hf(torch.tensor([seq])).logits[0, -1].tolist()
+            for t in set(out):
+                logits[t] -= 0.6 * out.count(t) + 0.8
+            out.append(max(range(len(logits)), key=logits.__getitem__))
+            seq.append(out[-1])
+    assert ours == out
