@@ -83,6 +83,14 @@ def test_penalties_and_min_tokens_match_the_offline_api(served, http):
     assert bad.status_code == 400 and "presence_penalty" in bad.json()["error"]["message"]
 
 
+def test_fields_at_values_that_change_nothing_are_accepted(served, http):
+    """What clients send by default (an empty logit_bias, best_of 1, text responses, a user) is no refusal."""
+    body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "logit_bias": {}, "best_of": 1, "min_p": 0,
+            "response_format": {"type": "text"}, "user": "someone", "presence_penalty": 0, "frequency_penalty": 0}
+    out = http.post("/v1/completions", json=body)
+    assert out.status_code == 200 and out.json()["choices"][0]["text"] == served[2]["completions"][0].outputs[0].text
+
+
 def test_token_id_prompt_and_stop_string(served, client):
     _, state, refs = served
     ref = refs["completions"][0].outputs[0]

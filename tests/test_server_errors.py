@@ -83,11 +83,18 @@ BAD_COMPLETIONS = [  # (name, body: dict, raw bytes, or a function of the server
     ("seed beyond torch's range", {"prompt": "hi", "seed": 2 ** 64}, 400),
     ("second choice's seed beyond it", {"prompt": "hi", "n": 2, "seed": 2 ** 64 - 1}, 400),
     ("unknown model", {"prompt": "hi", "model": "no-such-model"}, 404),
+    # fields vLLM honours and this server does not: refused, not ignored
+    ("logit_bias", {"prompt": "hi", "logit_bias": {"5": 100}}, 400),
+    ("min_p", {"prompt": "hi", "min_p": 0.1}, 400),
+    ("best_of beyond n", {"prompt": "hi", "best_of": 3}, 400),
+    ("guided_choice", {"prompt": "hi", "guided_choice": ["a", "b"]}, 400),
 ]
 BAD_CHATS = [
     ("empty messages", {"messages": []}, 400),
     ("unknown role", {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
     ("content of the wrong type", {"messages": [{"role": "user", "content": 5}]}, 400),
+    ("JSON mode", {**CHAT, "response_format": {"type": "json_object"}}, 400),
+    ("tools", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
     ("unknown model", {**CHAT, "model": "no-such-model"}, 404),
 ]
 

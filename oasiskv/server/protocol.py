@@ -7,7 +7,7 @@ import uuid
 from typing import Literal, Union
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 
@@ -46,10 +46,21 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+# Fields vLLM honours and this server does not, with the values that change nothing. Another value is refused (a
+# 400 naming the field) rather than ignored: the client would get output it did not ask for. Other unknown fields
+# are ignored, as vLLM ignores them.
+UNSUPPORTED_FIELDS = {
+    "logit_bias": (None, {}), "min_p": (None, 0, 0.0), "suffix": (None, ""), "use_beam_search": (None, False),
+    "bad_words": (None, []), "allowed_token_ids": (None,), "tools": (None, []), "guided_json": (None,),
+    "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
+    "response_format": (None, {"type": "text"}), "logits_processors": (None, []),
+}
+
+
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat; vLLM extras (top_k, ignore_eos, ...) at the top level."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # read by refuse_unsupported, then unused
 
     model: str | None = None
     temperature: float | None = Field(None, ge=0)
@@ -67,6 +78,17 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     kv_transfer_params: dict | None = None  # prefill/decode disaggregation (vLLM's field): oasiskv/disagg/
+    best_of: int | None = None  # vLLM's; only best_of == n (or unset) is served
+
+    @model_validator(mode="after")
+    def refuse_unsupported(self):
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED_FIELDS and value not in UNSUPPORTED_FIELDS[name]:
+                raise ValueError(f"{name} is not supported by this server; leave it unset")
+        if self.best_of not in (None, self.n):
+            raise ValueError(f"best_of other than n is not supported by this server (best_of {self.best_of}, "
+                             f"n {self.n}); leave it unset")
+        return self
 
 
 TokenIds = list[StrictInt]
