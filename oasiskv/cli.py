@@ -155,6 +155,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="above 1 discourages the prompt's and output's tokens (transformers' rule)")
     g.add_argument("--presence-penalty", type=float, default=SAMPLING_DEFAULTS.presence_penalty)
     g.add_argument("--frequency-penalty", type=float, default=SAMPLING_DEFAULTS.frequency_penalty)
+    g.add_argument("--min-p", type=float, default=SAMPLING_DEFAULTS.min_p,
+                   help="drop tokens below this share of the top token's probability")
     g.add_argument("--min-tokens", type=int, default=SAMPLING_DEFAULTS.min_tokens,
                    help="no EOS, stop token or stop string before this many tokens")
 
@@ -164,7 +166,8 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos,
                               presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                              repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens)
+                              repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens,
+                              min_p=args.min_p)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
 

@@ -376,6 +376,21 @@ def is_integer(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs: from a dict (JSON's keys are strings of digits) or pairs."""
+    items = bias.items() if isinstance(bias, dict) else bias
+    try:
+        pairs = sorted((int(t), float(b)) for t, b in items if not isinstance(t, (bool, float)))
+    except (TypeError, ValueError):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}") from None
+    if len(pairs) != len(items):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
+    bad = [(t, b) for t, b in pairs if t < 0 or not -100 <= b <= 100]
+    if bad:
+        raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {bad[:3]}")
+    return tuple(pairs)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling, shaped like vLLM's."""
@@ -394,6 +409,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled, and stop strings do not stop, before this many
+    min_p: float = 0.0  # after temperature, tokens below min_p x the top token's probability are dropped
+    # added to the token ids' logits before everything else (OpenAI's logit_bias: {id: bias in [-100, 100]});
+    # kept as sorted (id, bias) pairs, so that the params stay hashable
+    logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -406,6 +425,8 @@ class SamplingParams:
             if not isinstance(self.stop_token_ids, (list, tuple)) or not all(map(is_integer, self.stop_token_ids)):
                 raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
             object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", bias_pairs(self.logit_bias))
         self.validate()
         for name in ("max_tokens", "top_k", "min_tokens", "seed"):  # numpy's ints become Python's: torch's seeding takes no other
             if getattr(self, name) is not None:
@@ -415,7 +436,7 @@ class SamplingParams:
         for name in ("max_tokens", "top_k", "min_tokens"):
             if not is_integer(getattr(self, name)):
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
-        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
             if not isinstance(getattr(self, name), numbers.Real) or isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
         # a seed torch's generators refuse would fail the engine's step, not this request
@@ -430,6 +451,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not 0 < self.repetition_penalty <= 1e4:  # (an infinite penalty is no rule: finite, positive)
             raise ValueError(f"repetition_penalty must be in (0, 1e4], got {self.repetition_penalty}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if self.max_tokens < 1:

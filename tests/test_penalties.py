@@ -8,7 +8,7 @@ from transformers import RepetitionPenaltyLogitsProcessor
 
 from oasiskv.api import SamplingParams
 from oasiskv.engine.penalties import TokenHistory, apply_penalties
-from oasiskv.engine.sampler import Sampler
+from oasiskv.engine.sampler import Sampler, sample_row
 
 PROMPT = "Write a list of fruits: apple, banana, apple, banana,"
 
@@ -119,3 +119,33 @@ def test_presence_and_frequency_in_generation_equal_a_token_by_token_loop(smollm
             out.append(max(range(len(logits)), key=logits.__getitem__))
             seq.append(out[-1])
     assert ours == out
+
+
+@pytest.mark.parametrize("min_p", [0.05, 0.3])
+def test_min_p_keeps_what_transformers_min_p_warper_keeps(min_p):
+    """After temperature, the draw only comes from tokens at least min_p x the top token's probability."""
+    from transformers import MinPLogitsWarper
+
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(200, generator=g)
+    kept = MinPLogitsWarper(min_p)(None, (logits / 1.5)[None])[0] > float("-inf")
+    params = SamplingParams(temperature=1.5, min_p=min_p)
+    drawn = {sample_row(logits, params, g) for _ in range(2000)}
+    assert drawn <= set(kept.nonzero().flatten().tolist()) and len(drawn) > 1
+    assert int(kept.sum()) < 200  # the filter cut something
+
+
+def test_logit_bias_moves_greedy_and_sampling_and_refuses_bad_ids(smollm_llm):
+    ids = smollm_llm.tokenizer.encode(PROMPT)
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    plain = smollm_llm.generate([ids], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    target = smollm_llm.tokenizer.encode(" cherry")[0]
+    pushed = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logit_bias={str(target): 100})
+    assert smollm_llm.generate([ids], pushed, use_tqdm=False)[0].outputs[0].token_ids == [target] * 4
+    banned = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logit_bias={plain[0]: -100})
+    assert smollm_llm.generate([ids], banned, use_tqdm=False)[0].outputs[0].token_ids[0] != plain[0]
+    sampled = SamplingParams(temperature=1.0, seed=1, max_tokens=8, ignore_eos=True, logit_bias={target: 100})
+    assert smollm_llm.generate([ids], sampled, use_tqdm=False)[0].outputs[0].token_ids == [target] * 8
+    with pytest.raises(ValueError, match="below the vocabulary size"):
+        smollm_llm.generate([ids], SamplingParams(logit_bias={10 ** 9: 1}), use_tqdm=False)
+    assert not smollm_llm.engine.requests

@@ -84,8 +84,11 @@ BAD_COMPLETIONS = [  # (name, body: dict, raw bytes, or a function of the server
     ("second choice's seed beyond it", {"prompt": "hi", "n": 2, "seed": 2 ** 64 - 1}, 400),
     ("unknown model", {"prompt": "hi", "model": "no-such-model"}, 404),
     # fields vLLM honours and this server does not: refused, not ignored
-    ("logit_bias", {"prompt": "hi", "logit_bias": {"5": 100}}, 400),
-    ("min_p", {"prompt": "hi", "min_p": 0.1}, 400),
+    ("suffix", {"prompt": "hi", "suffix": "end"}, 400),
+    ("logit_bias beyond the vocabulary", {"prompt": "hi", "logit_bias": {"99999999": 5}}, 400),
+    ("logit_bias that is not a token id", {"prompt": "hi", "logit_bias": {"x": 5}}, 400),
+    ("logit_bias beyond 100", {"prompt": "hi", "logit_bias": {"5": 101}}, 400),
+    ("min_p above 1", {"prompt": "hi", "min_p": 1.5}, 400),
     ("best_of beyond n", {"prompt": "hi", "best_of": 3}, 400),
     ("guided_choice", {"prompt": "hi", "guided_choice": ["a", "b"]}, 400),
 ]

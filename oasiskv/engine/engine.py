@@ -192,6 +192,9 @@ class LLMEngine:
                 raise ValueError(f"token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}")
         else:
             raise ValueError(f"a prompt is a string or a list of integer token ids, got {reprlib.repr(prompt)}")
+        if params.logit_bias and params.logit_bias[-1][0] >= self.model_config.vocab_size:
+            raise ValueError(f"logit_bias token ids must be below the vocabulary size {self.model_config.vocab_size}, "
+                             f"got {params.logit_bias[-1][0]}")
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")

@@ -36,7 +36,11 @@ def draw_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Gene
     # The max subtracted first, and a floor (fp32's floats end near 1e-38): logits / 1e-40 overflowed to inf, whose
     # softmax is NaN, and token 0 came out. Below the floor the draw is already the argmax's (ties shared).
     temperature = max(params.temperature, MIN_TEMPERATURE)
-    logits = apply_top_k_top_p((logits - logits.max()) / temperature, params.top_k, params.top_p)
+    logits = (logits - logits.max()) / temperature
+    if params.min_p > 0:  # (the top token's logit is 0 here: its probability is 1 / sum(exp))
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    logits = apply_top_k_top_p(logits, params.top_k, params.top_p)
     probs = logits.softmax(-1)
     # exponential race: argmax(p / E), E ~ Exp(1), samples from p (one draw per vocab entry)
     noise = torch.empty_like(probs).exponential_(generator=generator)
@@ -69,18 +73,21 @@ class Sampler:
                          histories: list[TokenHistory | None] | None = None) -> torch.Tensor:
         """The tokens as int64 [S] on the logits' device, without waiting for them (async scheduling reads them a
         step later). The draws are those of `sample`: the same ops on the same generators, in row order."""
-        if histories is not None and any(h is not None for h in histories):
-            logits = self.penalized(logits, request_ids, params, histories)
+        if any(p.logit_bias for p in params) or (histories is not None and any(h is not None for h in histories)):
+            logits = self.adjusted(logits, request_ids, params, histories)
         if all(p.greedy for p in params):
             return torch.argmax(logits, dim=-1)
         return torch.stack([draw_row(logits[i], p, self.generator_for(rid, p))
                             for i, (rid, p) in enumerate(zip(request_ids, params))])
 
-    def penalized(self, logits, request_ids, params, histories) -> torch.Tensor:
-        """A copy of the logits with each history's penalties applied to its row (the caller's rows stay raw:
-        logprobs are reported before penalties, as vLLM does by default)."""
+    def adjusted(self, logits, request_ids, params, histories) -> torch.Tensor:
+        """A copy of the logits with each row's logit_bias added, then its history's penalties applied, in vLLM's
+        order (the caller's rows stay raw: logprobs are reported before them, as vLLM does by default)."""
         logits = logits.clone()
-        for i, (rid, p, history) in enumerate(zip(request_ids, params, histories)):
+        for i, (rid, p, history) in enumerate(zip(request_ids, params, histories or [None] * len(params))):
+            if p.logit_bias:
+                ids, biases = zip(*p.logit_bias)
+                logits[i, list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
             if history is None:
                 continue
             seen = None

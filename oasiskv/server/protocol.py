@@ -50,7 +50,7 @@ class StreamOptions(BaseModel):
 # 400 naming the field) rather than ignored: the client would get output it did not ask for. Other unknown fields
 # are ignored, as vLLM ignores them.
 UNSUPPORTED_FIELDS = {
-    "logit_bias": (None, {}), "min_p": (None, 0, 0.0), "suffix": (None, ""), "use_beam_search": (None, False),
+    "suffix": (None, ""), "use_beam_search": (None, False),
     "bad_words": (None, []), "allowed_token_ids": (None,), "tools": (None, []), "guided_json": (None,),
     "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
     "response_format": (None, {"type": "text"}), "logits_processors": (None, []),
@@ -75,6 +75,8 @@ class SamplingFields(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0)
     min_tokens: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0, le=1)
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token ids (as strings) to biases in [-100, 100]
     stream: bool = False
     stream_options: StreamOptions | None = None
     kv_transfer_params: dict | None = None  # prefill/decode disaggregation (vLLM's field): oasiskv/disagg/
