@@ -33,14 +33,18 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)
 
     @classmethod
-    def from_request(cls, req: Request) -> "RequestOutput":
-        completion = CompletionOutput(0, req.output_text, list(req.output_token_ids), req.finish_reason)
+    def from_requests(cls, reqs: list[Request]) -> "RequestOutput":
+        """One prompt's choices (n of them); the request id and metrics are the first choice's."""
+        req = reqs[0]
+        completions = [CompletionOutput(i, r.output_text, list(r.output_token_ids), r.finish_reason)
+                       for i, r in enumerate(reqs)]
         metrics = {"num_preemptions": req.num_preemptions, **req.kv_stats}
         if req.first_token_time is not None:
             metrics["ttft_s"] = req.first_token_time - req.arrival_time
         if req.finish_time is not None:
             metrics["latency_s"] = req.finish_time - req.arrival_time
-        return cls(req.request_id, req.prompt, list(req.prompt_token_ids), [completion], req.finished, metrics)
+        return cls(req.request_id, req.prompt, list(req.prompt_token_ids), completions,
+                   all(r.finished for r in reqs), metrics)
 
 
 def split_kwargs(kwargs: dict) -> EngineConfig:
@@ -111,16 +115,16 @@ class LLM:
         wrong = next((p for p in params if not isinstance(p, SamplingParams)), None)
         if wrong is not None:
             raise ValueError(f"sampling_params: a SamplingParams or a list of them, got {type(wrong).__name__}")
-        ids = []
+        groups: list[list[str]] = []  # per prompt, its choices' request ids
         try:
             for p, sp in zip(prompts, params):
-                ids.append(self.engine.add_request(p, sp))
+                groups.append([])
+                for choice in sp.choices():
+                    groups[-1].append(self.engine.add_request(p, choice))
         except ValueError as e:
-            for rid in ids:  # all or nothing: a bad prompt queues none of this call's prompts
-                self.engine.abort(rid)
-                self.engine.pop_finished(rid)
-            raise ValueError(f"prompt {len(ids)}: {e}") from e
-        return self._run(ids, use_tqdm)
+            self.engine.discard([rid for g in groups for rid in g])  # all or nothing: a bad prompt queues none
+            raise ValueError(f"prompt {len(groups) - 1}: {e}") from e
+        return self._run(groups, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
@@ -131,7 +135,8 @@ class LLM:
         prompts = [self.tokenizer.apply_chat_template(chat_messages(conv, i)) for i, conv in enumerate(conversations)]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, groups: list[list[str]], use_tqdm: bool) -> list[RequestOutput]:
+        ids = [rid for g in groups for rid in g]
         bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm, leave=False)
         try:
             while self.engine.has_unfinished():
@@ -141,4 +146,4 @@ class LLM:
             raise
         finally:
             bar.close()
-        return [RequestOutput.from_request(self.engine.pop_finished(i)) for i in ids]
+        return [RequestOutput.from_requests([self.engine.pop_finished(i) for i in g]) for g in groups]

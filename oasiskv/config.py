@@ -396,6 +396,7 @@ class SamplingParams:
     """Per-request sampling, shaped like vLLM's."""
 
     max_tokens: int = 16
+    n: int = 1  # completions per prompt (LLM.generate): choice i is seeded seed + i, as the server does
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1: no limit
@@ -428,12 +429,12 @@ class SamplingParams:
         if self.logit_bias is not None:
             object.__setattr__(self, "logit_bias", bias_pairs(self.logit_bias))
         self.validate()
-        for name in ("max_tokens", "top_k", "min_tokens", "seed"):  # numpy's ints become Python's: torch's seeding takes no other
+        for name in ("max_tokens", "n", "top_k", "min_tokens", "seed"):  # numpy's ints become Python's: torch's seeding takes no other
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
 
     def validate(self) -> None:
-        for name in ("max_tokens", "top_k", "min_tokens"):
+        for name in ("max_tokens", "n", "top_k", "min_tokens"):
             if not is_integer(getattr(self, name)):
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
@@ -457,6 +458,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -467,6 +470,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def choices(self) -> list["SamplingParams"]:
+        """One request's params per choice: n 1, choice i seeded seed + i (unseeded choices draw from the engine's
+        generator, one after another)."""
+        if self.n == 1:
+            return [self]
+        return [dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + i)
+                for i in range(self.n)]
 
     @property
     def reads_history(self) -> bool:

@@ -177,6 +177,25 @@ def test_prompts_as_tensors_and_text_parts_match_their_plain_forms(smollm_llm):
             smollm_llm.chat(chat, greedy, use_tqdm=False)[0].outputs[0].token_ids)
 
 
+def test_n_choices_are_the_seeded_single_requests(smollm_llm):
+    """SamplingParams(n=3, seed=s): choice i is what a single request seeded s + i gives (the server's rule), in one
+    RequestOutput per prompt; greedy choices agree."""
+    sampled = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
+    outs = smollm_llm.generate(PROMPTS[:2], sampled, use_tqdm=False)
+    assert len(outs) == 2 and [c.index for c in outs[1].outputs] == [0, 1, 2]
+    for prompt, out in zip(PROMPTS[:2], outs):
+        for i, choice in enumerate(out.outputs):
+            single = SamplingParams(temperature=1.0, seed=11 + i, max_tokens=8, ignore_eos=True)
+            assert choice.token_ids == smollm_llm.generate(prompt, single, use_tqdm=False)[0].outputs[0].token_ids
+    assert len({tuple(c.token_ids) for c in outs[0].outputs}) > 1
+    greedy = smollm_llm.generate(PROMPTS[0], SamplingParams(n=2, temperature=0, max_tokens=6), use_tqdm=False)[0]
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        SamplingParams(n=0)
+    with pytest.raises(ValueError, match="one choice"):
+        smollm_llm.engine.add_request("hi", SamplingParams(n=2))
+
+
 def test_cli_reports_missing_model_clearly():
     proc = subprocess.run([sys.executable, "-m", "oasiskv.cli", "generate", "--prompt", "x", "--model",
                            "/no/such/model"], capture_output=True, text=True, timeout=120)

@@ -181,6 +181,9 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
+        if params.n != 1:
+            raise ValueError(f"an engine request is one choice (n 1, got {params.n}): LLM.generate and the server add "
+                             "one per choice (SamplingParams.choices)")
         if hasattr(prompt, "tolist"):  # a tensor or an array of token ids
             prompt = prompt.tolist()
         if isinstance(prompt, str):
