@@ -86,7 +86,8 @@ def test_penalties_and_min_tokens_match_the_offline_api(served, http):
 def test_fields_at_values_that_change_nothing_are_accepted(served, http):
     """What clients send by default (an empty logit_bias, best_of 1, text responses, a user) is no refusal."""
     body = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "logit_bias": {}, "best_of": 1, "min_p": 0,
-            "response_format": {"type": "text"}, "user": "someone", "presence_penalty": 0, "frequency_penalty": 0}
+            "response_format": {"type": "text"}, "user": "someone", "presence_penalty": 0, "frequency_penalty": 0,
+            "skip_special_tokens": True, "include_stop_str_in_output": False, "tool_choice": "auto"}
     out = http.post("/v1/completions", json=body)
     assert out.status_code == 200 and out.json()["choices"][0]["text"] == served[2]["completions"][0].outputs[0].text
 

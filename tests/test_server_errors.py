@@ -91,6 +91,7 @@ BAD_COMPLETIONS = [  # (name, body: dict, raw bytes, or a function of the server
     ("min_p above 1", {"prompt": "hi", "min_p": 1.5}, 400),
     ("best_of beyond n", {"prompt": "hi", "best_of": 3}, 400),
     ("guided_choice", {"prompt": "hi", "guided_choice": ["a", "b"]}, 400),
+    ("the stop string kept", {"prompt": "hi", "stop": ["a"], "include_stop_str_in_output": True}, 400),
 ]
 BAD_CHATS = [
     ("empty messages", {"messages": []}, 400),
@@ -98,6 +99,7 @@ BAD_CHATS = [
     ("content of the wrong type", {"messages": [{"role": "user", "content": 5}]}, 400),
     ("JSON mode", {**CHAT, "response_format": {"type": "json_object"}}, 400),
     ("tools", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
+    ("continuing the last message", {**CHAT, "add_generation_prompt": False, "continue_final_message": True}, 400),
     ("unknown model", {**CHAT, "model": "no-such-model"}, 404),
 ]
 

@@ -53,7 +53,11 @@ UNSUPPORTED_FIELDS = {
     "suffix": (None, ""), "use_beam_search": (None, False),
     "bad_words": (None, []), "allowed_token_ids": (None,), "tools": (None, []), "guided_json": (None,),
     "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
-    "response_format": (None, {"type": "text"}), "logits_processors": (None, []),
+    "response_format": (None, {"type": "text"}), "logits_processors": (None, []), "tool_choice": (None, "none", "auto"),
+    "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True), "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
+    "length_penalty": (None, 1, 1.0), "chat_template": (None,), "chat_template_kwargs": (None, {}),
+    "add_generation_prompt": (None, True), "continue_final_message": (None, False),
 }
 
 
