@@ -10,9 +10,19 @@ from tqdm.auto import tqdm
 
 from oasiskv.config import CacheConfig, EngineConfig, KVConfig, SamplingParams, SchedulerConfig, is_integer
 from oasiskv.engine.engine import LLMEngine
+from oasiskv.engine.logprobs import LogprobSampler, TokenLogprob, prompt_logprobs
 from oasiskv.engine.request import Request
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+
+
+@dataclass
+class Logprob:
+    """vLLM's: a token's logprob, its rank in its row (1: the most likely) and its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
 
 
 @dataclass
@@ -21,6 +31,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[dict[int, Logprob]] | None = None  # SamplingParams.logprobs: per token, it and the top k
 
 
 @dataclass
@@ -31,6 +42,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # SamplingParams.prompt_logprobs; first: None
 
     @classmethod
     def from_requests(cls, reqs: list[Request]) -> "RequestOutput":
@@ -115,16 +127,23 @@ class LLM:
         wrong = next((p for p in params if not isinstance(p, SamplingParams)), None)
         if wrong is not None:
             raise ValueError(f"sampling_params: a SamplingParams or a list of them, got {type(wrong).__name__}")
+        if any(sp.prompt_logprobs is not None for sp in params) and self.engine.tp:
+            raise ValueError("prompt_logprobs needs the whole model in this process (not with tensor parallelism)")
         groups: list[list[str]] = []  # per prompt, its choices' request ids
         try:
             for p, sp in zip(prompts, params):
                 groups.append([])
                 for choice in sp.choices():
                     groups[-1].append(self.engine.add_request(p, choice))
+                    if sp.logprobs is not None:
+                        self._logprob_sampler().wanted[groups[-1][-1]] = sp.logprobs
         except ValueError as e:
-            self.engine.discard([rid for g in groups for rid in g])  # all or nothing: a bad prompt queues none
+            self._discard([rid for g in groups for rid in g])  # all or nothing: a bad prompt queues none
             raise ValueError(f"prompt {len(groups) - 1}: {e}") from e
-        return self._run(groups, use_tqdm)
+        outputs = self._run(groups, use_tqdm)
+        for out, group, sp in zip(outputs, groups, params):
+            self._add_logprobs(out, group, sp)
+        return outputs
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
@@ -142,8 +161,38 @@ class LLM:
             while self.engine.has_unfinished():
                 bar.update(len(self.engine.step()))
         except BaseException:  # an error or Ctrl-C: the next call must not run (or wait on) this call's requests
-            self.engine.discard(ids)
+            self._discard(ids)
             raise
         finally:
             bar.close()
         return [RequestOutput.from_requests([self.engine.pop_finished(i) for i in g]) for g in groups]
+
+    def _discard(self, ids: list[str]) -> None:
+        self.engine.discard(ids)
+        if isinstance(self.engine.sampler, LogprobSampler):
+            for rid in ids:
+                self.engine.sampler.drop(rid)
+
+    def _logprob_sampler(self) -> LogprobSampler:
+        """The engine's sampler, wrapped once so that it records the logprobs of the requests that want them."""
+        if not isinstance(self.engine.sampler, LogprobSampler):
+            self.engine.sampler = LogprobSampler(self.engine.sampler)
+        return self.engine.sampler
+
+    def _add_logprobs(self, out: RequestOutput, group: list[str], sp: SamplingParams) -> None:
+        if sp.logprobs is not None:
+            sampler = self._logprob_sampler()
+            for choice, rid in zip(out.outputs, group):
+                choice.logprobs = [self._logprob_dict(lp) for lp in sampler.take(rid)]
+                sampler.drop(rid)
+        if sp.prompt_logprobs is not None:
+            found = prompt_logprobs(self.engine.model, out.prompt_token_ids, sp.prompt_logprobs, self.engine.device)
+            out.prompt_logprobs = [None if lp is None else self._logprob_dict(lp) for lp in found]
+
+    def _logprob_dict(self, lp: TokenLogprob) -> dict[int, Logprob]:
+        """vLLM's shape: the token itself first, then the top k (a token in both is listed once)."""
+        text = self.tokenizer.decode
+        out = {lp.token_id: Logprob(lp.logprob, lp.rank, text([lp.token_id]))}
+        for rank, (token, value) in enumerate(lp.top, start=1):
+            out.setdefault(token, Logprob(value, rank, text([token])))
+        return out

@@ -369,6 +369,7 @@ class EngineConfig:
 
 
 SEED_RANGE = (-2 ** 63, 2 ** 64)  # what torch.Generator.manual_seed takes
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 
 
 def is_integer(value) -> bool:
@@ -414,6 +415,10 @@ class SamplingParams:
     # added to the token ids' logits before everything else (OpenAI's logit_bias: {id: bias in [-100, 100]});
     # kept as sorted (id, bias) pairs, so that the params stay hashable
     logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
+    # LLM.generate: each output token's logprob and this many most likely tokens (CompletionOutput.logprobs), and
+    # the same for each prompt token (RequestOutput.prompt_logprobs); raw logprobs, before penalties and temperature
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -460,6 +465,10 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not (is_integer(k) and 0 <= k <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -17,7 +17,7 @@ from oasiskv.cli import add_engine_args, engine_config
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.engine.overlap import resolve_async_scheduling
 from oasiskv.evals.forced import teacher_forced
-from oasiskv.server.logprobs import LogprobSampler
+from oasiskv.engine.logprobs import LogprobSampler
 
 
 def tiny_engine(tmp_path, mode: str, async_scheduling: bool, num_kv_blocks: int | None = None,

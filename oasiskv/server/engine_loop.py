@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from oasiskv.config import SamplingParams
-from oasiskv.server.logprobs import LogprobSampler, TokenLogprob, prompt_logprobs
+from oasiskv.engine.logprobs import LogprobSampler, TokenLogprob, prompt_logprobs
 
 log = logging.getLogger("oasiskv.server")
 

@@ -8,7 +8,7 @@ from typing import AsyncIterator
 
 from oasiskv.config import SamplingParams
 from oasiskv.server.engine_loop import EngineLoop, Output
-from oasiskv.server.logprobs import TokenLogprob
+from oasiskv.engine.logprobs import TokenLogprob
 from oasiskv.server.protocol import APIError
 
 

@@ -9,7 +9,8 @@ from typing import Literal, Union
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+from oasiskv.config import MAX_LOGPROBS
+
 
 
 class APIError(Exception):
