@@ -8,7 +8,8 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
-from oasiskv.config import CacheConfig, EngineConfig, KVConfig, SamplingParams, SchedulerConfig, is_integer
+from oasiskv.config import CacheConfig, EngineConfig, KVConfig, SchedulerConfig
+from oasiskv.sampling_params import SamplingParams, is_integer
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.engine.logprobs import LogprobSampler, TokenLogprob, prompt_logprobs
 from oasiskv.engine.request import Request

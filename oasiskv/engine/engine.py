@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from oasiskv.config import EngineConfig, SamplingParams, is_integer
+from oasiskv.config import EngineConfig
+from oasiskv.sampling_params import SamplingParams, is_integer
 from oasiskv.distributed.launch import start_tensor_parallel
 from oasiskv.distributed.setup import attach_score_combiner, shard_for_rank
 from oasiskv.engine.penalties import TokenHistory

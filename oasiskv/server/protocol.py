@@ -9,7 +9,7 @@ from typing import Literal, Union
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from oasiskv.config import MAX_LOGPROBS
+from oasiskv.sampling_params import MAX_LOGPROBS
 
 
 

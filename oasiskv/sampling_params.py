@@ -1,0 +1,135 @@
+"""Per-request sampling parameters, shaped like vLLM's SamplingParams: every field checked on construction, so that
+nothing a request asks for can fail the engine's step (oasiskv.config re-exports them)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from dataclasses import dataclass
+
+SEED_RANGE = (-2 ** 63, 2 ** 64)  # what torch.Generator.manual_seed takes
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+
+
+def is_integer(value) -> bool:
+    """An int, or numpy's ints; not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def bias_pairs(bias) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs: from a dict (JSON's keys are strings of digits) or pairs."""
+    items = bias.items() if isinstance(bias, dict) else bias
+    try:
+        pairs = sorted((int(t), float(b)) for t, b in items if not isinstance(t, (bool, float)))
+    except (TypeError, ValueError):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}") from None
+    if len(pairs) != len(items):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
+    bad = [(t, b) for t, b in pairs if t < 0 or not -100 <= b <= 100]
+    if bad:
+        raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {bad[:3]}")
+    return tuple(pairs)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling, shaped like vLLM's."""
+
+    max_tokens: int = 16
+    n: int = 1  # completions per prompt (LLM.generate): choice i is seeded seed + i, as the server does
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no limit
+    seed: int | None = None
+    stop: tuple[str, ...] | list[str] | str | None = None
+    stop_token_ids: tuple[int, ...] | list[int] | None = None
+    ignore_eos: bool = False
+    # vLLM's penalties (engine/penalties.py): presence and frequency over the output tokens, OpenAI's rule;
+    # repetition (CTRL, transformers' rule) over the prompt and output tokens
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be sampled, and stop strings do not stop, before this many
+    min_p: float = 0.0  # after temperature, tokens below min_p x the top token's probability are dropped
+    # added to the token ids' logits before everything else (OpenAI's logit_bias: {id: bias in [-100, 100]});
+    # kept as sorted (id, bias) pairs, so that the params stay hashable
+    logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
+    # LLM.generate: each output token's logprob and this many most likely tokens (CompletionOutput.logprobs), and
+    # the same for each prompt token (RequestOutput.prompt_logprobs); raw logprobs, before penalties and temperature
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is not None:
+            if not isinstance(self.stop, (list, tuple)) or not all(isinstance(x, str) for x in self.stop):
+                raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, (list, tuple)) or not all(map(is_integer, self.stop_token_ids)):
+                raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", bias_pairs(self.logit_bias))
+        self.validate()
+        for name in ("max_tokens", "n", "top_k", "min_tokens", "seed"):  # numpy's ints become Python's: torch's seeding takes no other
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))
+
+    def validate(self) -> None:
+        for name in ("max_tokens", "n", "top_k", "min_tokens"):
+            if not is_integer(getattr(self, name)):
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+            if not isinstance(getattr(self, name), numbers.Real) or isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
+        # a seed torch's generators refuse would fail the engine's step, not this request
+        if self.seed is not None and not (is_integer(self.seed) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        if not math.isfinite(self.temperature) or not math.isfinite(self.top_p):
+            raise ValueError(f"temperature and top_p must be finite, got {self.temperature}, {self.top_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 1e4:  # (an infinite penalty is no rule: finite, positive)
+            raise ValueError(f"repetition_penalty must be in (0, 1e4], got {self.repetition_penalty}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not (is_integer(k) and 0 <= k <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def choices(self) -> list["SamplingParams"]:
+        """One request's params per choice: n 1, choice i seeded seed + i (unseeded choices draw from the engine's
+        generator, one after another)."""
+        if self.n == 1:
+            return [self]
+        return [dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + i)
+                for i in range(self.n)]
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether sampling reads the request's tokens (penalties, min_tokens): each step's tokens must then be on
+        the host before the next step samples, so async scheduling pauses while such a request runs."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+                or self.min_tokens > 0)
