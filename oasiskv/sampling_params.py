@@ -44,6 +44,7 @@ class SamplingParams:
     stop: tuple[str, ...] | list[str] | str | None = None
     stop_token_ids: tuple[int, ...] | list[int] | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # vLLM's: the text keeps the stop string that ended it
     # vLLM's penalties (engine/penalties.py): presence and frequency over the output tokens, OpenAI's rule;
     # repetition (CTRL, transformers' rule) over the prompt and output tokens
     presence_penalty: float = 0.0
@@ -87,8 +88,9 @@ class SamplingParams:
         # a seed torch's generators refuse would fail the engine's step, not this request
         if self.seed is not None and not (is_integer(self.seed) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not math.isfinite(self.temperature) or not math.isfinite(self.top_p):
             raise ValueError(f"temperature and top_p must be finite, got {self.temperature}, {self.top_p}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -69,6 +69,9 @@ def test_stop_strings_and_max_tokens(smollm_llm):
                               use_tqdm=False)[0]
     assert out.outputs[0].finish_reason == "stop"
     assert out.outputs[0].text.endswith("8,") and " 9" not in out.outputs[0].text
+    kept = smollm_llm.generate("1, 2, 3, 4, 5,", SamplingParams(temperature=0, max_tokens=30, stop=[" 9", "xyz"],
+                                                                include_stop_str_in_output=True), use_tqdm=False)[0]
+    assert kept.outputs[0].text == out.outputs[0].text + " 9" and kept.outputs[0].finish_reason == "stop"
     out = smollm_llm.generate("1, 2, 3,", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
                               use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "length"

@@ -92,6 +92,20 @@ def test_fields_at_values_that_change_nothing_are_accepted(served, http):
     assert out.status_code == 200 and out.json()["choices"][0]["text"] == served[2]["completions"][0].outputs[0].text
 
 
+def test_the_stop_string_kept_in_the_text_streamed_or_not(served, http):
+    """include_stop_str_in_output: the text goes on to the end of the stop string, in one piece or in deltas, and
+    stop_reason names it."""
+    ref = served[2]["completions"][1].outputs[0].text  # "1, 2, 3, 4," greedily, 8 tokens
+    stop = ref.split()[1]
+    body = {"prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0, "stop": [stop], "include_stop_str_in_output": True}
+    want = ref[:ref.index(stop) + len(stop)]
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert whole["text"] == want and whole["finish_reason"] == "stop" and whole["stop_reason"] == stop
+    events = sse_events(http.post("/v1/completions", json={**body, "stream": True}))
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == want
+    assert events[-1]["choices"][0]["stop_reason"] == stop
+
+
 def test_token_id_prompt_and_stop_string(served, client):
     _, state, refs = served
     ref = refs["completions"][0].outputs[0]

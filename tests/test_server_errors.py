@@ -91,7 +91,6 @@ BAD_COMPLETIONS = [  # (name, body: dict, raw bytes, or a function of the server
     ("min_p above 1", {"prompt": "hi", "min_p": 1.5}, 400),
     ("best_of beyond n", {"prompt": "hi", "best_of": 3}, 400),
     ("guided_choice", {"prompt": "hi", "guided_choice": ["a", "b"]}, 400),
-    ("the stop string kept", {"prompt": "hi", "stop": ["a"], "include_stop_str_in_output": True}, 400),
 ]
 BAD_CHATS = [
     ("empty messages", {"messages": []}, 400),

@@ -398,9 +398,10 @@ class LLMEngine:
             return "stop"
         if p.stop:
             text = self.tokenizer.decode(req.output_token_ids)
-            cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                req.output_text = text[:cut]
+            found = [(i, s) for s in p.stop if (i := text.find(s)) >= 0]
+            if found:
+                cut, stop = min(found, key=lambda f: f[0])  # the earliest; at a tie, the first in the list
+                req.output_text = text[:cut + (len(stop) if p.include_stop_str_in_output else 0)]
                 return "stop_string"
         return None
 

@@ -87,7 +87,9 @@ class TextStream:
             return None
         if self.ids and self.params.stop_token_ids and self.ids[-1] in self.params.stop_token_ids:
             return self.ids[-1]
-        return next((s for s in self.params.stop or () if full[len(final):].startswith(s)), None)
+        kept = self.params.include_stop_str_in_output  # the final text ends with the stop string, else stops before it
+        return next((s for s in self.params.stop or () if full[len(final) - (len(s) if kept else 0):].startswith(s)),
+                    None)
 
 
 @dataclass

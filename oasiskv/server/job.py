@@ -23,7 +23,8 @@ def sampling_params(body: SamplingFields, max_tokens: int, choice: int) -> Sampl
             seed=None if body.seed is None else body.seed + choice, stop=stop or None,
             stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-            min_tokens=body.min_tokens, min_p=body.min_p, logit_bias=body.logit_bias or None)
+            min_tokens=body.min_tokens, min_p=body.min_p, logit_bias=body.logit_bias or None,
+            include_stop_str_in_output=body.include_stop_str_in_output)
     except ValueError as e:
         raise APIError(str(e)) from e
 

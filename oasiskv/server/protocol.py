@@ -55,7 +55,7 @@ UNSUPPORTED_FIELDS = {
     "bad_words": (None, []), "allowed_token_ids": (None,), "tools": (None, []), "guided_json": (None,),
     "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
     "response_format": (None, {"type": "text"}), "logits_processors": (None, []), "tool_choice": (None, "none", "auto"),
-    "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+    "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True), "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
     "length_penalty": (None, 1, 1.0), "chat_template": (None,), "chat_template_kwargs": (None, {}),
     "add_generation_prompt": (None, True), "continue_final_message": (None, False),
@@ -81,6 +81,7 @@ class SamplingFields(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0)
     min_tokens: int = Field(0, ge=0)
     min_p: float = Field(0.0, ge=0, le=1)
+    include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None  # OpenAI's: token ids (as strings) to biases in [-100, 100]
     stream: bool = False
     stream_options: StreamOptions | None = None
