@@ -6,6 +6,7 @@ import reprlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from pydantic import ValidationError
 from tqdm.auto import tqdm
 
 from oasiskv.config import CacheConfig, EngineConfig, KVConfig, SchedulerConfig
@@ -13,6 +14,7 @@ from oasiskv.sampling_params import SamplingParams, is_integer
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.engine.logprobs import LogprobSampler, TokenLogprob, prompt_logprobs
 from oasiskv.engine.request import Request
+from oasiskv.server.protocol import ChatMessage
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
 
@@ -79,22 +81,19 @@ def split_kwargs(kwargs: dict) -> EngineConfig:
 
 
 def chat_messages(conv, index: int) -> list[dict]:
-    """A conversation checked: a non-empty list of {"role": str, "content": str or a list of text parts} dicts.
-    Returned with each list of parts joined into one string, as the server does."""
-    where = f"conversation {index}"
+    """A conversation checked as the server checks one (its ChatMessage model: a known role, content a string or a
+    list of text parts), as the template's {"role", "content"} dicts."""
     if not isinstance(conv, (list, tuple)) or not conv:
-        raise ValueError(f"{where}: a chat is a non-empty list of {{'role', 'content'}} dicts, got {reprlib.repr(conv)}")
+        raise ValueError(f"conversation {index}: a chat is a non-empty list of {{'role', 'content'}} dicts, got "
+                         f"{reprlib.repr(conv)}")
     out = []
     for j, m in enumerate(conv):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ValueError(f"{where}, message {j}: a dict with a string 'role' is needed, got {reprlib.repr(m)}")
-        content = m.get("content")
-        if isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in content):
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise ValueError(f"{where}, message {j}: 'content' must be a string or a list of {{'type': 'text', "
-                             f"'text': ...}} parts, got {reprlib.repr(content)}")
-        out.append({**m, "content": content})
+        try:
+            message = ChatMessage.model_validate(m)
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'message'}: {err['msg']}" for err in e.errors())
+            raise ValueError(f"conversation {index}, message {j}: {problems}") from None
+        out.append({"role": message.role, "content": message.text()})
     return out
 
 

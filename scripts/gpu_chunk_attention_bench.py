@@ -41,16 +41,18 @@ def variants(q, k, v, scale):
     n, ctx = q.shape[0], k.shape[0]
     mask = lower_right_mask(n, ctx, q.device)
     group = HQ // HKV
-    ke, ve = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     bias = causal_lower_right(n, ctx)
+
+    def expanded(t):  # timed inside each call, as the engine expands per call
+        return heads_first(t.repeat_interleave(group, dim=1))
+
     return {
         "mask, K/V expanded": lambda: F.scaled_dot_product_attention(
-            heads_first(q), heads_first(k.repeat_interleave(group, dim=1)),
-            heads_first(v.repeat_interleave(group, dim=1)), attn_mask=mask, scale=scale),
+            heads_first(q), expanded(k), expanded(v), attn_mask=mask, scale=scale),
         "mask, enable_gqa": lambda: F.scaled_dot_product_attention(
             heads_first(q), heads_first(k), heads_first(v), attn_mask=mask, scale=scale, enable_gqa=True),
         "lower_right, expanded": lambda: F.scaled_dot_product_attention(
-            heads_first(q), heads_first(ke), heads_first(ve), attn_mask=bias, scale=scale),
+            heads_first(q), expanded(k), expanded(v), attn_mask=bias, scale=scale),
         "lower_right, enable_gqa": lambda: F.scaled_dot_product_attention(
             heads_first(q), heads_first(k), heads_first(v), attn_mask=bias, scale=scale, enable_gqa=True),
     }

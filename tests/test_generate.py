@@ -148,10 +148,12 @@ BAD_GENERATE = [  # (prompts, sampling params, message): each a ValueError that 
     ([[1.5, 2.0]], None, "integer token ids"), ([[True, False]], None, "integer token ids"),
     (["hi", [1, "a"]], None, "prompt 1"), (["hi"], {"max_tokens": 3}, "SamplingParams"),
 ]
-BAD_CHATS = [  # (messages, message)
-    ("hello", "messages: a list"), ([], "messages: a list"), ([{"role": "user"}], "message 0: 'content'"),
-    ([{"role": "user", "content": 5}], "'content' must be"), ([{"content": "hi"}], "string 'role'"),
-    ([[{"role": "user", "content": "hi"}], []], "conversation 1"),
+CHAT_OK = {"role": "user", "content": "hi"}
+BAD_CHATS = [  # (messages, message): the server's ChatMessage rules
+    ("hello", "messages: a list"), ([], "messages: a list"), ([CHAT_OK, "hi"], "message 1: message: Input should be"),
+    ([{"role": "user", "content": 5}], "message 0: content"), ([{"content": "hi"}], "message 0: role"),
+    ([{"role": "wizard", "content": "hi"}], "role: Input should be"), ([[CHAT_OK], []], "conversation 1"),
+    ([CHAT_OK, {"role": "user", "content": [{"type": "image_url"}]}], "message 1: content"),
 ]
 
 

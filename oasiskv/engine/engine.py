@@ -114,6 +114,7 @@ class LLMEngine:
             self.runner.guess_after_drafts = self.drafter.wants_target_guess
         self.sampler = Sampler(self.device, config.seed)
         self.requests: dict[str, Request] = {}
+        self.history_readers: set[str] = set()  # requests whose sampling reads their tokens (usually none)
         self.stats = EngineStats()
         self.in_flight: InFlight | None = None  # async scheduling: the step whose tokens are still on the device
         self.sampled_from: dict[str, int] = {}  # the last step's requests whose tokens were read at once (step())
@@ -205,6 +206,8 @@ class LLMEngine:
         req = Request(rid, text, ids, params)
         self.scheduler.add(req)
         self.requests[rid] = req
+        if params.reads_history:
+            self.history_readers.add(rid)
         return rid
 
     def abort(self, request_id: str) -> None:
@@ -305,8 +308,15 @@ class LLMEngine:
         logprobs) or a request's sampling reads its tokens (penalties, min_tokens): all need each step's tokens
         on the host."""
         return (self.async_scheduling and (self.drafter is None or self.drafter.on_device)
-                and not self.sampler.reads_each_step
-                and not any(r.params.reads_history for r in self.requests.values() if not r.finished))
+                and not self.sampler.reads_each_step and not self.reading_histories())
+
+    def reading_histories(self) -> bool:
+        """Whether an unfinished request's sampling reads its tokens (penalties, min_tokens); the finished ones leave
+        the set here, so a step with none of them looks at nothing."""
+        if self.history_readers:
+            self.history_readers = {r for r in self.history_readers if r in self.requests
+                                    and not self.requests[r].finished}
+        return bool(self.history_readers)
 
     def token_histories(self, request_ids: list[str], params: list[SamplingParams]) -> list[TokenHistory | None] | None:
         """Per sampling row, the tokens its penalties and min_tokens read (None: it has none); None when no row has."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from oasiskv.config import SamplingParams
+from oasiskv.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
