@@ -6,12 +6,15 @@ the lower right of the n x ctx score matrix. Variants:
 - `mask, K/V expanded`: a boolean n x ctx mask, K/V heads repeated to the query heads (the engine before);
 - `mask, enable_gqa`: the same mask, each K/V head read for its group by the kernel;
 - `lower_right, enable_gqa`: no mask; torch's `causal_lower_right` bias, which runs a kernel that skips the masked
-  part of the matrix (flash or memory-efficient attention).
+  part of the matrix (flash or memory-efficient attention);
+- `split, cuDNN + merge`: the chunk over the prefix without a mask and over itself causally (both cuDNN, K/V heads
+  read per group), the two merged by their log-sum-exps;
+- `engine sdpa`: policies/attention.sdpa, which picks one of the above by the chunk's size.
 
 Prints microseconds per call, TFLOP/s of the scores the causal matrix needs (2 x 2 x heads x head_dim per visible
 pair), the kernel that ran, and the largest error against float64 next to the first variant's.
 
-    PYTHONPATH=. python3 scripts/gpu_chunk_attention_bench.py [--shapes 4096x8192,...] [--json FILE]
+    PYTHONPATH=. python3 scripts/gpu_chunk_attention_bench.py [--shapes 4096x8192,...] [--heads 32/8/128] [--json FILE]
 """
 from __future__ import annotations
 
@@ -22,10 +25,12 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from oasiskv.bench.report import print_table, write_json
+from oasiskv.policies.attention import (cudnn_attention_with_lse, lower_right_causal_mask, sdpa,
+                                        split_causal_attention)
 from scripts.gpu_prefill_parts_bench import top_kernel
 from scripts.gpu_rms_norm_bench import time_us
 
-HQ, HKV, D = 32, 8, 128
+HEADS = (32, 8, 128)  # qwen3-8b: query heads, K/V heads, head dim
 BF16 = torch.bfloat16
 
 
@@ -33,14 +38,14 @@ def heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1)[None]
 
 
-def lower_right_mask(n: int, ctx: int, device) -> torch.Tensor:
-    return torch.arange(ctx, device=device)[None, :] <= (ctx - n + torch.arange(n, device=device))[:, None]
+def split_merge(q, k, v, scale):
+    return split_causal_attention(q, k, v, scale, cudnn_attention_with_lse)
 
 
 def variants(q, k, v, scale):
     n, ctx = q.shape[0], k.shape[0]
-    mask = lower_right_mask(n, ctx, q.device)
-    group = HQ // HKV
+    mask = lower_right_causal_mask(n, ctx, q.device)
+    group = q.shape[1] // k.shape[1]
     bias = causal_lower_right(n, ctx)
 
     def expanded(t):  # timed inside each call, as the engine expands per call
@@ -55,28 +60,32 @@ def variants(q, k, v, scale):
             heads_first(q), expanded(k), expanded(v), attn_mask=bias, scale=scale),
         "lower_right, enable_gqa": lambda: F.scaled_dot_product_attention(
             heads_first(q), heads_first(k), heads_first(v), attn_mask=bias, scale=scale, enable_gqa=True),
+        "split, cuDNN + merge": lambda: split_merge(heads_first(q), heads_first(k), heads_first(v), scale),
+        "split, expanded + merge": lambda: split_merge(heads_first(q), expanded(k), expanded(v), scale),
+        "engine sdpa": lambda: heads_first(sdpa(q, k, v, scale, causal=True)),
     }
 
 
 def reference(q, k, v, scale, rows: int = 256) -> tuple[torch.Tensor, slice]:
-    """float64 attention of the chunk's last `rows` queries (the widest rows), [1, HQ, rows, D]."""
+    """float64 attention of the chunk's last `rows` queries (the widest rows), [1, Hq, rows, D]."""
     n, ctx = q.shape[0], k.shape[0]
     sl = slice(n - min(rows, n), n)
-    group = HQ // HKV
+    group = q.shape[1] // k.shape[1]
     qd = heads_first(q[sl]).double()
     kd, vd = (heads_first(t.repeat_interleave(group, dim=1)).double() for t in (k, v))
-    mask = lower_right_mask(n, ctx, q.device)[sl]
+    mask = lower_right_causal_mask(n, ctx, q.device)[sl]
     scores = (qd @ kd.transpose(-1, -2)) * scale
     return torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ vd, sl
 
 
-def shape_rows(n: int, ctx: int) -> list[dict]:
+def shape_rows(n: int, ctx: int, heads: tuple[int, int, int]) -> list[dict]:
+    hq, hkv, d = heads
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(n, HQ, D, device="cuda", dtype=BF16, generator=gen)
-    k, v = (torch.randn(ctx, HKV, D, device="cuda", dtype=BF16, generator=gen) for _ in range(2))
-    scale = D ** -0.5
+    q = torch.randn(n, hq, d, device="cuda", dtype=BF16, generator=gen)
+    k, v = (torch.randn(ctx, hkv, d, device="cuda", dtype=BF16, generator=gen) for _ in range(2))
+    scale = d ** -0.5
     visible = n * (ctx - n) + n * (n + 1) / 2
-    flops = 2 * 2 * HQ * D * visible
+    flops = 2 * 2 * hq * d * visible
     ref, sl = reference(q, k, v, scale)
     rows = []
     for name, fn in variants(q, k, v, scale).items():
@@ -96,12 +105,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="4096x8192,4096x12288,4096x16384,8192x16384,2048x16384,512x16384,64x4096",
                    help="chunk queries x context, comma-separated")
+    p.add_argument("--heads", default="/".join(map(str, HEADS)), help="query heads/K-V heads/head dim")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    heads = tuple(int(x) for x in args.heads.split("/"))
     rows = []
     for shape in args.shapes.split(","):
         n, ctx = (int(x) for x in shape.split("x"))
-        rows += shape_rows(n, ctx)
+        rows += shape_rows(n, ctx, heads)
     print_table(rows, ("chunk", "variant", "us", "tflops", "max_err_f64", "kernel"))
     if args.json:
         write_json(args.json, {"rows": rows}, torch.device("cuda"))

@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 from oasiskv.bench.report import print_table, write_json
 from oasiskv.kernels.kv_write import write_kv_reference, write_kv_slots
 from oasiskv.kernels.rms_norm import add_rms_norm, rms_norm
-from oasiskv.policies.dense import sdpa
+from oasiskv.policies.attention import sdpa
 from scripts.gpu_rms_norm_bench import time_us
 
 TOKENS, HQ, HKV, D, HIDDEN, BS = 16384, 32, 8, 128, 4096, 16

@@ -16,7 +16,7 @@ from oasiskv.lookahead.train_draft import train
 from oasiskv.lookahead.ttt import unrolled
 from oasiskv.models.eagle3 import Eagle3Config, Eagle3Head, load_eagle3
 from oasiskv.models.loader import load_model
-from oasiskv.policies.dense import sdpa
+from oasiskv.policies.attention import sdpa
 from tests.test_eagle3 import Causal, one_thread  # noqa: F401  (one_thread: module-wide fixture)
 
 STEPS = 12
@@ -108,9 +108,7 @@ class Chain:
     def attend(self, layer, q, k, v):
         self.k = k if self.k is None else torch.cat((self.k, k))
         self.v = v if self.v is None else torch.cat((self.v, v))
-        ctx = self.k.shape[0]
-        mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - q.shape[0], ctx)[:, None]
-        return sdpa(q, self.k, self.v, q.shape[-1] ** -0.5, mask=mask)
+        return sdpa(q, self.k, self.v, q.shape[-1] ** -0.5, causal=True)
 
 
 def test_unroll_step_k_equals_drafting_k_tokens_ahead():

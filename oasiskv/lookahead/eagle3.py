@@ -7,7 +7,7 @@ import torch
 from oasiskv.lookahead.base import DraftChunk, DraftSource
 from oasiskv.models.eagle3 import Eagle3Head, load_eagle3
 from oasiskv.models.llama import CausalLM
-from oasiskv.policies.dense import sdpa
+from oasiskv.policies.attention import sdpa
 
 
 class RequestKV:
@@ -47,11 +47,7 @@ class CachedDraftAttention:
                 keys, values = k[rows], v[rows]
             else:
                 keys, values = self.caches[c.request_id].append(k[rows], v[rows])
-            mask = None
-            if n > 1:  # slot p sees cached positions <= p
-                mask = torch.arange(c.start + n, device=q.device)[None, :] <= \
-                    torch.arange(c.start, c.start + n, device=q.device)[:, None]
-            out[rows] = sdpa(q[rows], keys, values, self.scale, mask=mask)
+            out[rows] = sdpa(q[rows], keys, values, self.scale, causal=True)  # slot p sees cached positions <= p
             offset += n
         return out
 

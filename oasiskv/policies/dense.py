@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from oasiskv.kernels.kv_write import write_kv_reference, write_kv_slots
 from oasiskv.kernels.paged_decode import paged_decode_attention, paged_decode_reference
 from oasiskv.kv.gpu_pool import KVPool
+from oasiskv.policies.attention import sdpa
 from oasiskv.policies.base import AttentionMetadata, KVPolicy, PrefillSpan, length_bucket
 
 
@@ -25,29 +25,11 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_laye
     blocks = kv_layer[span.block_ids]  # [nb, 2, bs, Hkv, D]
     k = blocks[:, 0].reshape(-1, *k.shape[1:])[:ctx]
     v = blocks[:, 1].reshape(-1, *v.shape[1:])[:ctx]
-    positions = torch.arange(ctx, device=q.device)
-    mask = positions[None, :] <= (start + torch.arange(n, device=q.device))[:, None]
-    return sdpa(q, k, v, scale, mask=mask)
+    return sdpa(q, k, v, scale, causal=True)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     return sdpa(q, k, v, scale, causal=True)
-
-
-def sdpa(q, k, v, scale, mask=None, causal=False) -> torch.Tensor:
-    """q [n, Hq, D], k/v [ctx, Hkv, D] -> [n, Hq, D]. Inputs are made 4-D so that CUDA picks a fused kernel
-    (cuDNN's or flash for causal, memory-efficient for masked), never the O(n^2) math path. K/V heads are expanded
-    to the query heads, except in causal half-precision attention on CUDA, whose kernel reads each K/V head for
-    its group of query heads itself (enable_gqa): the expansion wrote qwen3-8b's K and V four times over, 2 x 134 MB
-    a layer of a 16K prefill. fp32 and masked attention keep it: enable_gqa was timed for causal bf16 and one masked
-    shape only (docs/BENCHMARKS.md, thirty-first session)."""
-    group = q.shape[1] // k.shape[1]
-    native_gqa = group > 1 and causal and mask is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-    if group > 1 and not native_gqa:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                         attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=native_gqa)
-    return out[0].transpose(0, 1)
 
 
 class DensePolicy(KVPolicy):

@@ -23,7 +23,7 @@ from oasiskv.kv.gpu_pool import KVPool
 from oasiskv.kv.host_store import HostStore
 from oasiskv.kv.summaries import BlockSummaries
 from oasiskv.kv.working_set import WorkingSet
-from oasiskv.policies.dense import sdpa
+from oasiskv.policies.attention import sdpa
 from oasiskv.policies.sparse import DecodeRows, SparsePolicy
 
 
@@ -179,12 +179,10 @@ class TieredPolicy(SparsePolicy):
             # chunk's own from the GPU
             if self.prefix_written is not None:
                 torch.cuda.current_stream().wait_event(self.prefix_written)
-            prior, ctx = span.start_pos, span.start_pos + (e - s)
+            prior = span.start_pos
             pk, pv = self.host.read_prefix(layer, span.block_ids[: -(-prior // self.block_size)], prior, q.device)
             pk, pv = torch.cat([pk, k[s:e]]), torch.cat([pv, v[s:e]])
-            mask = torch.arange(ctx, device=q.device)[None, :] <= (span.start_pos +
-                                                                  torch.arange(e - s, device=q.device))[:, None]
-            out[s:e] = sdpa(q[s:e], pk, pv, self.scale, mask=mask)
+            out[s:e] = sdpa(q[s:e], pk, pv, self.scale, causal=True)
 
     def write_host(self, layer, k, v) -> None:
         """The prefill chunks' K/V to the host store: by the copy engines on the store stream where the
