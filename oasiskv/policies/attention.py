@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# A later chunk of at least this many queries runs split_causal_attention on CUDA. On the H200 (qwen3-8b heads,
-# bf16) the split ran 2048 to 8192 queries over 16K keys at 528-538 TFLOP/s against the masked kernel's 245-315,
-# and 512 queries at 249 against 303 (docs/BENCHMARKS.md, thirty-third session).
+# A later chunk of at least this many queries runs split_causal_attention on CUDA. H200, bf16: on qwen3-8b's heads
+# the split ran 2048-8192 queries over 16K keys at 528-546 TFLOP/s against the masked kernel's 245-315; below 2048
+# it lost on SmolLM2's heads (1024 queries over 8K keys: 461 us against 171) and at 512 queries on qwen3-8b's
+# (docs/BENCHMARKS.md, thirty-third session).
 SPLIT_MIN_QUERIES = 2048
 
 
