@@ -62,6 +62,11 @@ def test_modes_side_by_side(tiny, tmp_path, capsys):
         assert r["total_tok_s"] == pytest.approx(5 * (IN + OUT) / r["elapsed_s"], rel=1e-3)
         assert r["output_vs_dense"] == pytest.approx(r["output_tok_s"] / rows["dense"]["output_tok_s"], rel=1e-3)
         assert r["mean_tpot_ms"] > 0 and r["decode_tok_s"] > 0 and r["pure_decode_steps"] > 0
+        # the time split: prefill steps, pure decode steps and the rest add up to the run
+        assert r["prefill_steps"] >= 1 and r["prefill_time_s"] > 0 and r["other_time_s"] >= 0
+        parts = r["prefill_time_s"] + r["pure_decode_time_s"] + r["other_time_s"]
+        assert parts == pytest.approx(r["elapsed_s"], rel=1e-2)
+        assert r["prefill_s_per_prompt"] == pytest.approx(r["prefill_time_s"] / 5, rel=1e-3)
         # the roofline's bytes: every weight plus at least the KV of one request, at most all of it
         weights = r["weights_gb"] * 1e9
         assert weights == pytest.approx(WEIGHTS, rel=1e-3)
@@ -76,7 +81,8 @@ def test_modes_side_by_side(tiny, tmp_path, capsys):
     assert 0 <= rows["oasis"]["agreement"] <= 1 and rows["retrieval"]["agreement"] is None
     assert 0 <= rows["oasis"]["draft_accuracy"] <= 1 and rows["retrieval"]["draft_accuracy"] is None
     assert "draft: prediction + prefetch issue" in rows["oasis"]["step_profile"]["phases_ms"]
-    assert "Throughput:" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "Throughput:" in printed and printed.count(" steps that prefilled (") == len(MODES)
 
 
 def test_compare_to_joins_an_earlier_run(tiny, tmp_path):

@@ -58,6 +58,10 @@ def print_modes_table(rows: list[dict]) -> None:
         print(f"  Throughput: {r['requests_per_s']:.2f} requests/s, {r['total_tok_s']:.2f} total tokens/s, "
               f"{r['output_tok_s']:.2f} output tokens/s  (concurrency {r['max_concurrency_held']} held, "
               f"{r['num_prompts']} prompts, {r['elapsed_s']:.1f} s)")
+        if r.get("prefill_time_s") is not None:
+            print(f"  Time: {r['prefill_time_s']:.1f} s in {r['prefill_steps']} steps that prefilled "
+                  f"({r['prefill_s_per_prompt']:.3f} s a prompt), {r['pure_decode_time_s']:.1f} s in "
+                  f"{r['pure_decode_steps']} pure decode steps, {r['other_time_s']:.1f} s between and beside them")
         if r.get("roofline_fraction") is not None:
             print(f"  Roofline: {r['hbm_gb_per_step']:.3f} GB per pure decode step (weights + KV) at "
                   f"{r['hbm_gbps']:.0f} GB/s = {r['roofline_tok_s']:.1f} tok/s; achieved {r['decode_tok_s']:.1f} "

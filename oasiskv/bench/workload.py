@@ -107,6 +107,8 @@ class StepLog:
     replay_steps: int = 0  # pure decode steps replayed from a CUDA graph (no eager run, no capture)
     replay_time_s: float = 0.0
     replay_tokens: int = 0
+    prefill_steps: int = 0  # steps with prompt tokens in them (and any decodes beside them)
+    prefill_time_s: float = 0.0
 
 
 def run_workload(engine, prompts: list[list[int]], output_len: int, concurrency: int, desc: str = "") -> dict:
@@ -149,6 +151,9 @@ def record_step(log: StepLog, dt: float, decodes: int, prefills: int, step_bytes
                 replayed: bool = False) -> None:
     log.max_held = max(log.max_held, decodes)
     log.steps_with_decodes += decodes > 0
+    if prefills:
+        log.prefill_steps += 1
+        log.prefill_time_s += dt
     if decodes and not prefills:
         log.decode_steps += 1
         log.decode_time_s += dt
@@ -177,6 +182,7 @@ def summarize(engine, done, log: StepLog, elapsed: float, stats0: dict, kv: dict
         "mean_tpot_ms": round(1000 * sum(tpots) / len(tpots), 3) if tpots else None,
         "preemptions": engine.stats.preemptions - stats0["preemptions"],
         "pure_decode_steps": log.decode_steps,
+        **time_split(log, elapsed, len(done)),
         "pcie_gb_per_step": sig(kv.get("kv_bytes_gathered", 0) / steps / 1e9),
         "prefetch_gb_per_step": sig(kv["kv_prefetch_bytes"] / steps / 1e9) if "kv_prefetch_bytes" in kv else None,
         "hit_rate": ratio(kv.get("kv_hits"), kv.get("kv_selected_blocks")),
@@ -190,6 +196,15 @@ def summarize(engine, done, log: StepLog, elapsed: float, stats0: dict, kv: dict
     if row["decode_step_ms"]:  # the link's rate in the steady state, against the 55 GB/s pinned copy of DESIGN.md
         row["pcie_gbps"] = sig(row["pcie_gb_per_step"] / row["decode_step_ms"] * 1000)
     return row
+
+
+def time_split(log: StepLog, elapsed: float, prompts: int) -> dict:
+    """Where the run's time went: steps that prefilled (with any decodes beside them), pure decode steps, and the
+    rest (the loop between steps, steps with neither)."""
+    return {"prefill_steps": log.prefill_steps, "prefill_time_s": sig(log.prefill_time_s, 6),
+            "prefill_s_per_prompt": sig(log.prefill_time_s / prompts, 4) if prompts else None,
+            "pure_decode_time_s": sig(log.decode_time_s, 6),
+            "other_time_s": sig(max(elapsed - log.prefill_time_s - log.decode_time_s, 0.0), 4)}
 
 
 def exposed_wait(kv: dict, eager_steps: int) -> dict:
