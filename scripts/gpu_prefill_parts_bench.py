@@ -1,7 +1,7 @@
 """Times three parts of a 16K qwen3-8b prefill layer, each against what it replaced, at the model's shapes (bf16):
 
 - causal attention with the K/V heads expanded to the query heads (repeat_interleave, then SDPA) against SDPA
-  reading each K/V head for its group itself (enable_gqa; policies/dense.py sdpa); also the masked form a later
+  reading each K/V head for its group itself (enable_gqa; policies/attention.py sdpa); also the masked form a later
   prefill chunk runs, which keeps the expansion;
 - the KV write into the paged pool: two index_put writes against kernels/kv_write.py;
 - the residual add and the next RMSNorm: torch's add, then the rms_norm kernel, against add_rms_norm (16K rows,

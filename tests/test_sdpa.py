@@ -1,4 +1,4 @@
-"""policies/dense.sdpa: causal attention whose queries are the last n of ctx positions (a later prefill chunk
+"""policies/attention.sdpa: causal attention whose queries are the last n of ctx positions (a later prefill chunk
 over its cached prefix), against a float64 softmax written out position by position."""
 import pytest
 import torch
