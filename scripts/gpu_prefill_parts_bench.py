@@ -2,7 +2,8 @@
 
 - causal attention with the K/V heads expanded to the query heads (repeat_interleave, then SDPA) against SDPA
   reading each K/V head for its group itself (enable_gqa; policies/attention.py sdpa); also the masked form a later
-  prefill chunk runs, which keeps the expansion;
+  prefill chunk ran until the thirty-third session (now `scripts/gpu_chunk_attention_bench.py` times it against the
+  split the engine runs);
 - the KV write into the paged pool: two index_put writes against kernels/kv_write.py;
 - the residual add and the next RMSNorm: torch's add, then the rms_norm kernel, against add_rms_norm (16K rows,
   and a decode step's 86).
