@@ -119,7 +119,8 @@ class LLM:
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and is_integer(prompts[0])):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
-            raise ValueError(f"prompts: a string, a list of token ids, or a list of either; got {type(prompts).__name__}")
+            raise ValueError("prompts: a string, a list of token ids, or a list of either; got "
+                             f"{type(prompts).__name__}")
         params = sampling_params or SamplingParams()
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):

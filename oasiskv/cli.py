@@ -6,9 +6,11 @@ import json
 import sys
 
 from oasiskv.config import (BLOCK_SCORES, DRAFTS, KV_MODES, KV_TRANSFERS, MISS_POLICIES, ROLES, SCHEDULE_POLICIES,
-                            SELECT_PER, CacheConfig, DisaggConfig, EngineConfig, KVConfig, SamplingParams, SchedulerConfig)
+                            SELECT_PER, CacheConfig, DisaggConfig, EngineConfig, KVConfig, SamplingParams,
+                            SchedulerConfig)
 
-ENGINE_DEFAULTS, CACHE_DEFAULTS, SCHED_DEFAULTS, KV_DEFAULTS = EngineConfig(), CacheConfig(), SchedulerConfig(), KVConfig()
+ENGINE_DEFAULTS, CACHE_DEFAULTS, SCHED_DEFAULTS, KV_DEFAULTS = (EngineConfig(), CacheConfig(), SchedulerConfig(),
+                                                                KVConfig())
 DISAGG_DEFAULTS = DisaggConfig()
 SAMPLING_DEFAULTS = SamplingParams()
 
@@ -348,7 +350,8 @@ def add_bench_parser(sub) -> None:
     add_bench_args(throughput)
     add_engine_args(throughput)
     throughput.set_defaults(func=cmd_bench_throughput)
-    serve = kinds.add_parser("serve", help="latency and throughput of an OpenAI-compatible server, like vllm bench serve")
+    serve = kinds.add_parser("serve",
+                             help="latency and throughput of an OpenAI-compatible server, like vllm bench serve")
     add_bench_serve_args(serve)
     serve.set_defaults(func=cmd_bench_serve)
     kernels = kinds.add_parser("kernels", help="gather, sparse attention and scoring against the copy ceilings")

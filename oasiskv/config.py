@@ -132,9 +132,9 @@ class KVConfig:
     # not named); layers differ in what a selection loses (docs/ACCURACY.md, "Budgets per layer"). Retrieval and
     # oasis size every layer's working set for the largest budget
     layer_weights: tuple[tuple[int, float], ...] = ()
-    # quest, retrieval, oasis: a second pass (0 = none). The block scores keep shortlist x the budget; the listed blocks' exact
-    # attention mass, in a softmax over their keys alone, picks the budget (kernels/shortlist_mass.py): reads their keys
-    # again. Oasis predicts the draft's list and keeps working sets of the list's size
+    # quest, retrieval, oasis: a second pass (0 = none). The block scores keep shortlist x the budget; the listed
+    # blocks' exact attention mass, in a softmax over their keys alone, picks the budget (kernels/shortlist_mass.py):
+    # reads their keys again. Oasis predicts the draft's list and keeps working sets of the list's size
     shortlist: float = 0.0
     host_kv_gb: float | None = None  # host store size; default: what the machine can spare
     # retrieval, oasis: tokens per request per layer resident on the GPU (default: the budget). Room beyond
@@ -152,7 +152,8 @@ class KVConfig:
         if self.mode not in KV_MODES:
             raise ValueError(f"--kv-mode must be one of {', '.join(KV_MODES)}, got {self.mode!r}")
         if self.budget % block_size or self.budget < block_size:
-            raise ValueError(f"--kv-budget must be a positive multiple of the block size {block_size}, got {self.budget}")
+            raise ValueError(f"--kv-budget must be a positive multiple of the block size {block_size}, "
+                             f"got {self.budget}")
         if self.block_score not in BLOCK_SCORES:
             raise ValueError(f"--block-score must be one of {', '.join(BLOCK_SCORES)}, got {self.block_score!r}")
         if self.select_per not in SELECT_PER:
@@ -175,7 +176,8 @@ class KVConfig:
         if self.shortlist:
             self.validate_shortlist()
         if self.dense_layers and self.offloaded:
-            raise ValueError(f"--dense-layers is supported in quest mode only ({self.mode} keeps no full KV on the GPU)")
+            raise ValueError("--dense-layers is supported in quest mode only "
+                             f"({self.mode} keeps no full KV on the GPU)")
         if self.mode == "oasis":
             self.validate_lookahead(block_size)
 

@@ -74,7 +74,8 @@ class SamplingParams:
         if self.logit_bias is not None:
             object.__setattr__(self, "logit_bias", bias_pairs(self.logit_bias))
         self.validate()
-        for name in ("max_tokens", "n", "top_k", "min_tokens", "seed"):  # numpy's ints become Python's: torch's seeding takes no other
+        # numpy's ints become Python's: torch's seeding takes no other
+        for name in ("max_tokens", "n", "top_k", "min_tokens", "seed"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
 

@@ -107,7 +107,8 @@ def main() -> None:
                   f"agreement {row['agreement']:.4f}  hit rate "
                   f"{row['hit_rate']:.4f}  ({row['seconds']} s)  per layer "
                   + " ".join(f"{a:.3f}" for a in row["agreement_per_layer"])
-                  + (f"  follows quest {row['follows_reference']:.3f}" if "follows_reference" in row else ""), flush=True)
+                  + (f"  follows quest {row['follows_reference']:.3f}" if "follows_reference" in row else ""),
+                  flush=True)
             write(args.json, rows)  # after every row: a long run that fails later keeps what it measured
     print(f"wrote {args.json}")
 

@@ -113,7 +113,8 @@ def main() -> None:
     for mode in args.modes.split(","):
         cfg = EngineConfig(model=tiny, load_format="dummy", show_progress=False,
                            kv=KVConfig(mode=mode, budget=64, sink_blocks=1, local_blocks=1, fetch_cap=0.5,
-                                       host_kv_gb=0.002, miss_policy=args.miss_policy), cache=CacheConfig(kv_cache_gb=0.002),
+                                       host_kv_gb=0.002, miss_policy=args.miss_policy),
+                           cache=CacheConfig(kv_cache_gb=0.002),
                            scheduler=SchedulerConfig(max_model_len=1024))
         engine = LLMEngine(cfg)
         g = torch.Generator().manual_seed(0)

@@ -4,7 +4,8 @@ against the min/max of the keys in the prefill's host store). Prompts are `bench
 drawn from the model's vocabulary ("model") or from the 256 it fell back to without /tokenizer_info
 ("fallback"), which is what the 2026-11-30 GPU run's disaggregated row got through the proxy.
 
-    PYTHONPATH=. UCX_TLS=tcp python scripts/cpu_disagg_compare.py [--wide] [--single-only] [--prompts model|fallback|both]
+    PYTHONPATH=. UCX_TLS=tcp python scripts/cpu_disagg_compare.py [--wide] [--single-only] \\
+        [--prompts model|fallback|both]
 
 --wide: qwen3-8b's widths (hidden 4096, 32/8 heads of 128, MLP 12288, untied lm_head) with --layers
 layers (8 GB in fp32 with 3); default a narrow Qwen3 of the same vocabulary."""
@@ -100,8 +101,8 @@ def compare(config: EngineConfig, prompts: list[list[int]], out_len: int, single
     print("decode instance:", json.dumps(counters(decode)))
     same = sum(a == b for rid in single_log for a, b in zip(single_log[rid], decode_log.get(rid, [])))
     tokens_equal = all(single.requests[r].output_token_ids == decode.requests[r].output_token_ids for r in single_log)
-    print(f"tokens equal: {tokens_equal}; selections equal: {same}/{sum(map(len, single_log.values()))}; decode summaries vs the prefill's stored "
-          f"keys: max |diff| {summary_diff}")
+    print(f"tokens equal: {tokens_equal}; selections equal: {same}/{sum(map(len, single_log.values()))}; "
+          f"decode summaries vs the prefill's stored keys: max |diff| {summary_diff}")
 
 
 def main() -> None:

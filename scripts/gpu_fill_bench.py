@@ -2,10 +2,10 @@
 fill_misses in one graph, no counters), at each warp count. Each is checked against the torch twin first.
 Commit 3312226 also timed a variant with one reduction per pass, score and block id packed into one int64 key:
 at most 2 us faster a layer, not kept (docs/BENCHMARKS.md). Shapes: SmolLM2 at 8K and qwen3-8b at 16K, budget
-2048 (128 selected blocks, 129 slots; and 513 slots, the working set of a 4x list at 8K), at the hit rates measured (91% on SmolLM2 on real text, 28% with random
-weights). Timed by gpu_select_bench's per_call_us (the median of 20 replays); the twentieth session's numbers in
-docs/BENCHMARKS.md came from the versions at 3312226 and 473c9e7, which took the mean; the twenty-ninth session's
-(compare sizes) from this one.
+2048 (128 selected blocks, 129 slots; and 513 slots, the working set of a 4x list at 8K), at the hit rates measured
+(91% on SmolLM2 on real text, 28% with random weights). Timed by gpu_select_bench's per_call_us (the median of 20
+replays); the twentieth session's numbers in docs/BENCHMARKS.md came from the versions at 3312226 and 473c9e7,
+which took the mean; the twenty-ninth session's (compare sizes) from this one.
 
     PYTHONPATH=. python scripts/gpu_fill_bench.py [--compare-elements 8192,32768] [--json OUT.json]
 

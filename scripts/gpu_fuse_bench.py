@@ -1,8 +1,8 @@
 """What fusing q/k/v and gate/up (models/linear.py's FusedLinears) does to qwen3-8b's forward on the GPU, attention
 left out (a backend that returns q), random weights, bf16: decode-sized batches replayed from CUDA graphs, and a
 16K prefill run eagerly, with and without the fusion, alternating rounds. (The numbers in docs/BENCHMARKS.md came
-from e73bace, which timed the mean of 20 replays; it now takes gpu_select_bench's median.) Prefill is also timed fused (the engine
-does not fuse above FUSED_MAX_ROWS rows) to show why, with its activation peak.
+from e73bace, which timed the mean of 20 replays; it now takes gpu_select_bench's median.) Prefill is also timed
+fused (the engine does not fuse above FUSED_MAX_ROWS rows) to show why, with its activation peak.
 
     PYTHONPATH=. python scripts/gpu_fuse_bench.py [--model qwen3-8b] [--rows 23,43,86] [--prefill 16384] [--json F]
 """

@@ -2,7 +2,8 @@
 of one prompt each, then one step under torch.profiler, with the kernels by device time and the host-side
 operators by self CPU time. Random-weight model; each prompt samples one token and finishes.
 
-    PYTHONPATH=. python scripts/gpu_prefill_profile.py [--model qwen3-8b] [--context 16384] [--modes quest,oasis] [--chunk 4096]
+    PYTHONPATH=. python scripts/gpu_prefill_profile.py [--model qwen3-8b] [--context 16384] [--modes quest,oasis] \\
+        [--chunk 4096]
 """
 from __future__ import annotations
 

@@ -35,7 +35,8 @@ def run(args, mode: str, overlap: bool | None) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         slow = [(i, *r) for i, r in enumerate(rows) if r[0] > args.slow_ms]
-        print(f"{mode} async={engine.async_scheduling} round {round_}: {len(rows)} steps, {sum(r[0] for r in rows):.0f} ms; "
+        print(f"{mode} async={engine.async_scheduling} round {round_}: {len(rows)} steps, "
+              f"{sum(r[0] for r in rows):.0f} ms; "
               f"steps over {args.slow_ms} ms (index, ms, replays, captures): {slow}", flush=True)
 
 

@@ -67,7 +67,8 @@ def main() -> None:
     rows = [{"variant": "NgramDraft (max 3, latest)", "accuracy": accuracy(lambda c: NgramDraft().lookup("r", c), runs),
              f"accuracy_first_{args.horizon}": accuracy(lambda c: NgramDraft().lookup("r", c), runs, args.horizon)}]
     for max_n, vote in [(4, False), (6, False), (8, False), (12, False), (16, False), (3, True), (8, True), (16, True)]:
-        rows.append({"variant": f"max {max_n}, {'vote' if vote else 'latest'}", "accuracy": accuracy(lookup(max_n, vote), runs)})
+        rows.append({"variant": f"max {max_n}, {'vote' if vote else 'latest'}",
+                     "accuracy": accuracy(lookup(max_n, vote), runs)})
     for row in rows:
         print(row)
     with open(args.json, "w") as f:

@@ -443,8 +443,8 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=2048)
     p.add_argument("--block-sizes", default="4,8,16,32")
     p.add_argument("--scores", default="bound,oracle", help="any of bound, mass, oracle")
-    p.add_argument("--summary-tokens", default="", help="also bound and mass rules whose blocks keep min/max summaries of "
-                   "this many tokens each (divisors of the block size), e.g. 8 or 4,8")
+    p.add_argument("--summary-tokens", default="", help="also bound and mass rules whose blocks keep min/max "
+                   "summaries of this many tokens each (divisors of the block size), e.g. 8 or 4,8")
     p.add_argument("--per-kv-head", action=argparse.BooleanOptionalAction, default=True,
                    help="also one selection per KV head (default: yes)")
     p.add_argument("--combine", default="sum", help="per-layer selections: sum (the engine's) and/or max of the KV "

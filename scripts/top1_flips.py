@@ -24,7 +24,8 @@ import torch
 sys.path.insert(0, ".")
 from oasiskv.config import EngineConfig  # noqa: E402
 from oasiskv.evals.forced import teacher_forced  # noqa: E402
-from oasiskv.evals.harness import Variant, build_llm, release, shared_weights, sized_config, variant_config  # noqa: E402
+from oasiskv.evals.harness import (Variant, build_llm, release, shared_weights, sized_config,  # noqa: E402
+                                   variant_config)
 from oasiskv.evals.haystack import Haystack  # noqa: E402
 from oasiskv.evals.tasks import Perplexity, Settings  # noqa: E402
 from oasiskv.evals.texts import load_corpus  # noqa: E402

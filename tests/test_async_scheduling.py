@@ -50,7 +50,8 @@ def run(engine: LLMEngine, params: dict[str, SP]) -> tuple[dict[str, list[int]],
     while engine.has_unfinished():
         order += [r.request_id for r in engine.step()]
     reqs = {rid: engine.requests[rid] for rid in params}
-    return {rid: r.output_token_ids for rid, r in reqs.items()}, {rid: r.finish_reason for rid, r in reqs.items()}, order
+    return ({rid: r.output_token_ids for rid, r in reqs.items()}, {rid: r.finish_reason for rid, r in reqs.items()},
+            order)
 
 
 @pytest.mark.parametrize("mode", ["dense", "quest", "retrieval", "oasis"])
@@ -196,7 +197,8 @@ def test_asking_async_scheduling_with_a_host_draft_source_is_an_error():
         resolve_async_scheduling(True, SimpleNamespace(on_device=False, name="target"), torch.device("cuda"))
 
 
-@pytest.mark.parametrize("flags, want", [([], None), (["--async-scheduling"], True), (["--no-async-scheduling"], False)])
+@pytest.mark.parametrize("flags, want", [([], None), (["--async-scheduling"], True),
+                                         (["--no-async-scheduling"], False)])
 def test_the_cli_flag_reaches_the_config(flags, want):
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

@@ -41,7 +41,8 @@ def test_every_mode_holds_what_its_kv_memory_allows(tiny):
                 "retrieval": blocks // per_request, "oasis": blocks // per_request}
     for mode in MODES:
         cfg = EngineConfig(model=tiny, load_format="dummy", show_progress=False,
-                           kv=KVConfig(mode=mode, budget=64, sink_blocks=1, local_blocks=1, host_kv_gb=0.002, fetch_cap=0.5),
+                           kv=KVConfig(mode=mode, budget=64, sink_blocks=1, local_blocks=1, host_kv_gb=0.002,
+                                       fetch_cap=0.5),
                            cache=CacheConfig(kv_cache_gb=0.002), scheduler=SchedulerConfig(max_model_len=1024))
         assert max_concurrency(LLMEngine(cfg), IN, OUT) == expected[mode], mode
 

@@ -14,7 +14,8 @@ import torch
 pytest.importorskip("nixl_cu12")  # the wheel in pyproject.toml on x86-64 Linux
 os.environ.setdefault("UCX_TLS", "tcp")
 
-from oasiskv.config import CacheConfig, DisaggConfig, EngineConfig, KVConfig, SamplingParams, SchedulerConfig  # noqa: E402
+from oasiskv.config import (CacheConfig, DisaggConfig, EngineConfig, KVConfig, SamplingParams,  # noqa: E402
+                            SchedulerConfig)
 from oasiskv.disagg.decode import DecodeEngine  # noqa: E402
 from oasiskv.disagg.export import PrefillEngine  # noqa: E402
 from oasiskv.engine.engine import LLMEngine  # noqa: E402
@@ -163,7 +164,8 @@ def test_bad_kv_transfer_params_are_refused(config):
     prefill = PrefillEngine(config, DisaggConfig(role="prefill"))
     params = prefilled(prefill, "p", ids)
     with pytest.raises(ValueError, match="KV layout"):
-        decode.add_request(ids, GREEDY, "x", kv_transfer_params={**params, "layout": {**params["layout"], "head_dim": 8}})
+        decode.add_request(ids, GREEDY, "x",
+                           kv_transfer_params={**params, "layout": {**params["layout"], "head_dim": 8}})
     with pytest.raises(ValueError, match="lease"):
         decode.add_request(ids, GREEDY, "w", kv_transfer_params={**params, "lease_deadline": time.time() - 1})
     with pytest.raises(ValueError, match="prompt tokens"):

@@ -82,8 +82,8 @@ def test_streams_pass_through(proxied):
     client, seen = proxied
     response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5, "stream": True})
     assert response.headers["content-type"].startswith("text/event-stream")
-    assert response.text.split("\n\n")[:3] == ['data: {"choices": [{"text": "A"}]}', 'data: {"choices": [{"text": "B"}]}',
-                                               "data: [DONE]"]
+    assert response.text.split("\n\n")[:3] == ['data: {"choices": [{"text": "A"}]}',
+                                               'data: {"choices": [{"text": "B"}]}', "data: [DONE]"]
     assert seen["prefill"]["kv_transfer_params"] == {"do_remote_decode": True} and seen["decode"]["stream"] is True
 
 
@@ -93,7 +93,8 @@ def test_the_prefill_alone_answers_one_token_and_a_first_token_stop(proxied):
     one = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).json()
     assert "kv_transfer_params" not in seen["prefill"] and "decode" not in seen and one["choices"][0]["text"] == "A"
     stopped = client.post("/v1/completions", json={"prompt": "stop", "max_tokens": 5}).json()
-    assert "decode" not in seen and "kv_transfer_params" not in stopped and stopped["choices"][0]["finish_reason"] == "stop"
+    assert ("decode" not in seen and "kv_transfer_params" not in stopped
+            and stopped["choices"][0]["finish_reason"] == "stop")
     chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "stop"}], "stream": True})
     events = [line[6:] for line in chat.text.split("\n") if line.startswith("data: ")]
     assert events[-1] == "[DONE]"

@@ -133,7 +133,8 @@ def rows_for_report():
 
     return [r(DENSE, "ppl", 10.0, 10.0), r(DENSE, "top1_agree", 100.0, 100.0),
             r(Variant("quest", 128), "ppl", 12.0, 10.0), r(Variant("quest", 128), "top1_agree", 90.0, 100.0),
-            r(Variant("quest", 256), "top1_agree", 95.0, 100.0), r(Variant("oasis", 256, 0.05), "top1_agree", 97.0, 100.0)]
+            r(Variant("quest", 256), "top1_agree", 95.0, 100.0),
+            r(Variant("oasis", 256, 0.05), "top1_agree", 97.0, 100.0)]
 
 
 def test_drops_point_the_same_way_and_report_files(tmp_path):

@@ -61,7 +61,8 @@ class TwoStepTensors:
 
     def __init__(self, upload, seed: int):
         rng = np.random.default_rng(seed)
-        self.step_buffer, (self.rows, self.flags) = upload([rng.integers(0, 9, 3), rng.integers(0, 2, (2, 3)).astype(bool)])
+        self.step_buffer, (self.rows, self.flags) = upload([rng.integers(0, 9, 3),
+                                                            rng.integers(0, 2, (2, 3)).astype(bool)])
         self.tables_plus = torch.tensor(rng.integers(0, 99, (3, 4)), dtype=torch.int32)
 
 
@@ -79,7 +80,8 @@ def test_one_copy_refreshes_every_captured_input():
     (ids, positions, meta, policy), fresh = steps
     inputs = {"ids": ids, "positions": positions, **{n: getattr(meta, n) for n in META_TENSORS}}
     captured = CapturedStep(None, inputs, {n: getattr(policy, n) for n in policy.STEP_TENSORS}, None, [],
-                            packed=meta.packed, step_buffer=policy.step_buffer, in_step_buffer=frozenset({"rows", "flags"}))
+                            packed=meta.packed, step_buffer=policy.step_buffer,
+                            in_step_buffer=frozenset({"rows", "flags"}))
     assert all(views_of(t, meta.packed) for t in inputs.values())
     ids2, positions2, meta2, policy2 = fresh
     captured.load(ids2, positions2, meta2, policy2)

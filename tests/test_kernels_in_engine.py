@@ -61,7 +61,8 @@ def generate(tiny: str, lengths: str, forced: bool, block_score: str, miss_polic
     done = subprocess.run([sys.executable, "-c", RUN, tiny, lengths, "1" if forced else "0", block_score,
                            miss_policy, select_per, str(summary_tokens), layer_weights, str(shortlist)], env=env,
                           capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"exit {done.returncode} (-11: segfault, an out-of-bounds access)\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, (f"exit {done.returncode} (-11: segfault, an out-of-bounds access)\n"
+                                  f"{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -68,7 +68,8 @@ def test_impossible_weights_are_clear_errors(changes, message):
     kv = KVConfig(**{"mode": "quest", "budget": BUDGET, "layer_weights": WEIGHTS, **changes})
     with pytest.raises(ValueError, match=message):
         kv.validate(16, 2)
-    with pytest.raises(ValueError, match="--layer-weights and --shortlist are not supported with --tensor-parallel-size"):
+    with pytest.raises(ValueError,
+                       match="--layer-weights and --shortlist are not supported with --tensor-parallel-size"):
         KVConfig(mode="quest", layer_weights=WEIGHTS).require_layer_layout("--tensor-parallel-size > 1")
 
 

@@ -252,7 +252,8 @@ def test_a_dense_layer_attends_to_every_key_and_the_other_layer_still_selects(ti
     prefix = 380
     rule = twin.Rule("bound", 16, False, 80)
     outputs = {}
-    for name, active in [("dense", None), ("sparse", rule), ("one dense", dataclasses.replace(rule, dense_layer=layer))]:
+    for name, active in [("dense", None), ("sparse", rule),
+                         ("one dense", dataclasses.replace(rule, dense_layer=layer))]:
         captured = {}
         hooks = [att.register_forward_hook(lambda m, a, out, i=i: captured.__setitem__(i, out[0]))
                  for i, att in enumerate(module.self_attn for module in tiny_llama.model.layers)]

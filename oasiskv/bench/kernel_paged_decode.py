@@ -82,7 +82,8 @@ def run_case(batch, context, shapes, dtype, device, warmup, rep):
         shapes["head_dim"],
         shapes["block_size"],
     )
-    q, kv_layer, block_tables, seq_lens = make_case(batch, context, q_heads, kv_heads, head_dim, block_size, dtype, device)
+    q, kv_layer, block_tables, seq_lens = make_case(batch, context, q_heads, kv_heads, head_dim, block_size, dtype,
+                                                    device)
     scale = head_dim**-0.5
     out = torch.empty_like(q)
 
@@ -99,7 +100,8 @@ def run_case(batch, context, shapes, dtype, device, warmup, rep):
     ms_graph = triton.testing.do_bench(_graph_of(fn).replay, warmup=warmup, rep=rep, return_mode="median")
     kv_bytes = int(seq_lens.sum().item()) * 2 * kv_heads * head_dim * kv_layer.element_size()
     gbps = kv_bytes / (ms * 1e-3) / 1e9
-    partition, splits = choose_partition(batch, kv_heads, context, torch.cuda.get_device_properties(device).multi_processor_count)
+    partition, splits = choose_partition(batch, kv_heads, context,
+                                         torch.cuda.get_device_properties(device).multi_processor_count)
     del q, kv_layer, block_tables, seq_lens, out, ref
     torch.cuda.empty_cache()
     return dict(

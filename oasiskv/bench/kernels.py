@@ -107,7 +107,8 @@ def selection_case(batch: int, context: int, budget: int, shapes: dict, dtype, d
     return cases, n_sel
 
 
-def bench_sparse_attention(batch: int, context: int, budget: int, shapes: dict, dtype, device, copy_gbps: float) -> dict:
+def bench_sparse_attention(batch: int, context: int, budget: int, shapes: dict, dtype, device,
+                           copy_gbps: float) -> dict:
     per_launch = batch * (budget // BLOCK) * 2 * BLOCK * shapes["kv_heads"] * shapes["head_dim"] * dtype.itemsize
     rotations = max(1, math.ceil((256 << 20) / per_launch)) if device.type == "cuda" else 1  # L2 is 60 MB
     cases, n_sel = selection_case(batch, context, budget, shapes, dtype, device, batch, rotations)
@@ -175,7 +176,8 @@ def run(args) -> dict:
                  for b in batches]
     scoring = [bench_scoring(b, args.context, args.budget, shapes, args.layers, dtype, device) for b in batches]
     shortlist = [row for b in batches
-                 for row in bench_shortlist(b, args.context, args.budget, args.shortlist, shapes, dtype, device, copy_gbps)]
+                 for row in bench_shortlist(b, args.context, args.budget, args.shortlist, shapes, dtype, device,
+                                            copy_gbps)]
     result = {"kind": "kernels", "dtype": str(dtype), "shapes": shapes, "memory_copy_gbps": sig(copy_gbps),
               "gather": gather, "sparse_attention": attention, "scoring": scoring, "shortlist": shortlist}
     print_kernels(result)

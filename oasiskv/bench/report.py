@@ -14,7 +14,8 @@ MODE_COLUMNS = ("mode", "max_concurrency_held", "num_prompts", "requests_per_s",
 SWEEP_COLUMNS = ("mode", "concurrency", "max_concurrency_held", "output_tok_s", "decode_tok_s", "decode_step_ms",
                  "replay_step_ms", "mean_tpot_ms", "pcie_gb_per_step", "roofline_fraction")
 CAP_COLUMNS = ("fetch_cap", "max_concurrency_held", "output_tok_s", "decode_tok_s", "decode_step_ms",
-               "replay_step_ms", "pcie_gb_per_step", "pcie_gbps", "prefetch_gb_per_step", "prefetch_exposed_ms_per_eager_step",
+               "replay_step_ms", "pcie_gb_per_step", "pcie_gbps", "prefetch_gb_per_step",
+               "prefetch_exposed_ms_per_eager_step",
                "hit_rate",
                "agreement", "fill_rate")
 

@@ -9,8 +9,8 @@ B requests are prefilled, then `steps` pure decode steps are run three times:
    engine does outside them is "engine loop (Python)". The timers wait only for the compute stream, so the
    copy stream's prefetches stay asynchronous and only their exposed waits are counted.
 The timers wrap methods of this engine's objects (instance attributes) and the dense policy's attention
-functions for the duration of the profile, and are removed afterwards; a method a policy lacks is not timed. Work replayed inside a captured CUDA graph
-is not visible to them: profile with graphs off.
+functions for the duration of the profile, and are removed afterwards; a method a policy lacks is not timed.
+Work replayed inside a captured CUDA graph is not visible to them: profile with graphs off.
 """
 from __future__ import annotations
 
@@ -106,7 +106,8 @@ def decode_batch(engine, batch: int, input_len: int, steps: int, seed: int) -> l
     prefill_steps = batch + -(-batch * input_len // engine.scheduler.cfg.max_num_batched_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=prefill_steps + 3 * steps + 4, ignore_eos=True)
     batch = min(batch, engine.max_concurrency(input_len + params.max_tokens))
-    ids = [engine.add_request(p, params) for p in random_prompts(batch, input_len, engine.model_config.vocab_size, seed)]
+    ids = [engine.add_request(p, params)
+           for p in random_prompts(batch, input_len, engine.model_config.vocab_size, seed)]
     while any(not engine.requests[i].output_token_ids for i in ids):
         engine.step()
     if engine.scheduler.waiting or any(engine.requests[i].finished for i in ids):

@@ -31,7 +31,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-sizes", default=d.batch_sizes,
                    help="single mode (--kv-mode): comma-separated; 'max' is the most requests of this length the "
                         "KV memory holds at once")
-    g.add_argument("--warmup-steps", type=int, default=d.warmup_steps, help="decode steps run before timing (kernel compiles)")
+    g.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
+                   help="decode steps run before timing (kernel compiles)")
     g.add_argument("--hbm-gbps", type=float, default=d.hbm_gbps,
                    help="memory bandwidth of the roofline (default: a device-to-device copy measured now; "
                         f"single-mode runs: {HBM_GBPS:.0f})")
@@ -145,7 +146,8 @@ def bench_one(engine, batch: int, input_len: int, output_len: int, hbm_gbps: flo
         engine.pop_finished(i)
     tokens = steps * batch
     return {
-        "mode": engine.policy.name, "tp": ranks, "batch": batch, "context": input_len, "decode_steps": steps, "prefill_s": round(prefill_s, 3),
+        "mode": engine.policy.name, "tp": ranks, "batch": batch, "context": input_len, "decode_steps": steps,
+        "prefill_s": round(prefill_s, 3),
         "decode_s": round(decode_s, 4), "decode_tok_s": round(tokens / decode_s, 1),
         "step_ms": round(1000 * decode_s / steps, 3), "replay_steps": replays,
         "replay_step_ms": round(1000 * replay_s / replays, 3) if replays else None,

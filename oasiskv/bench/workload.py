@@ -20,7 +20,8 @@ from oasiskv.bench.report import sig
 from oasiskv.config import SamplingParams
 
 KV_COUNTERS = ("kv_bytes_gathered", "kv_prefetch_bytes", "kv_agree_hits", "kv_agree_total", "kv_hits",
-               "kv_selected_blocks", "kv_misses", "kv_filled_blocks", "kv_time_prefetch_s", "kv_time_prefetch_exposed_s")
+               "kv_selected_blocks", "kv_misses", "kv_filled_blocks", "kv_time_prefetch_s",
+               "kv_time_prefetch_exposed_s")
 
 
 def random_prompts(num: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:

@@ -27,8 +27,8 @@ class DecodeEngine(LLMEngine):
             raise ValueError("--role decode needs --kv-mode oasis")
         config.kv.require_layer_layout("--role decode")
         if config.kv.draft in HEAD_DRAFTS:
-            raise ValueError(f"--role decode supports --draft ngram, repeat or target, not {config.kv.draft} (its EAGLE-3 "
-                             "head would need the prompt's hidden states from the prefill instance)")
+            raise ValueError(f"--role decode supports --draft ngram, repeat or target, not {config.kv.draft} "
+                             "(its EAGLE-3 head would need the prompt's hidden states from the prefill instance)")
         self.disagg = disagg
         super().__init__(config)
         self.remote = RemoteKV(KVAgent("decode"), LocalChunks(self.host, disagg.remote_cache_blocks), disagg)
@@ -45,7 +45,8 @@ class DecodeEngine(LLMEngine):
                              "instance returned (send requests through `oasiskv proxy`)")
         p = kv_transfer_params
         if p.get("layout") != layout_of(self):
-            raise ValueError(f"the prefill instance's KV layout {p.get('layout')} differs from this one's {layout_of(self)}")
+            raise ValueError(f"the prefill instance's KV layout {p.get('layout')} differs from this one's "
+                             f"{layout_of(self)}")
         rid = super().add_request(prompt, params, request_id)
         req = self.requests[rid]
         try:

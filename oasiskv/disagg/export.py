@@ -132,7 +132,8 @@ class PrefillEngine(LLMEngine):
             if not kv_transfer_params.get("do_remote_decode"):
                 raise ValueError('a prefill instance takes kv_transfer_params {"do_remote_decode": true} only')
             if params.max_tokens != 1:
-                raise ValueError(f"a request prefilled for remote decode must have max_tokens 1, got {params.max_tokens}")
+                raise ValueError("a request prefilled for remote decode must have max_tokens 1, "
+                                 f"got {params.max_tokens}")
         rid = super().add_request(prompt, params, request_id)
         if kv_transfer_params is not None:
             self.exporter.wanted.add(rid)

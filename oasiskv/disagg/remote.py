@@ -157,7 +157,8 @@ class RemoteKV:
             self.owner.pop(b, None)
         self.agent.notify(r.agent, RELEASE + r.remote_request_id.encode())
         self.finished[request_id] = {"remote_kv_bytes": self.bytes_of.pop(request_id, 0),
-                                     "local_host_kv_bytes_peak": self.chunks.release(request_id) * self.chunks.chunk_bytes}
+                                     "local_host_kv_bytes_peak": (self.chunks.release(request_id)
+                                                                  * self.chunks.chunk_bytes)}
         while len(self.finished) > KEPT_STATS:
             self.finished.popitem(last=False)
 

@@ -2,8 +2,9 @@
 
 A plan carries each scheduled request's whole block table, which grows with its context (sizes in
 docs/BENCHMARKS.md, scripts/tp_plan_bench.py). Every rank keeps the tables it has been sent, so a plan
-carries per request only how many known blocks still hold and the blocks after them. Any change of a table (growth, preemption, a new allocation) is a new suffix
-after the longest unchanged prefix, so the receiver always rebuilds the exact table."""
+carries per request only how many known blocks still hold and the blocks after them. Any change of a table
+(growth, preemption, a new allocation) is a new suffix after the longest unchanged prefix, so the receiver
+always rebuilds the exact table."""
 from __future__ import annotations
 
 import dataclasses

@@ -160,8 +160,8 @@ class LLMEngine:
     def stats_dict(self) -> dict:
         graphs = self.runner.graphs.counts if self.runner.graphs else {}
         tp = self.tp.stats() if self.tp else {}
-        return {"kv_mode": self.policy.name, "async_scheduling": self.async_scheduling, **self.stats.as_dict(), **graphs,
-                **self.policy.stats(), **tp}
+        return {"kv_mode": self.policy.name, "async_scheduling": self.async_scheduling, **self.stats.as_dict(),
+                **graphs, **self.policy.stats(), **tp}
 
     def close(self) -> None:
         """Stops the other tensor-parallel ranks (also done when the engine is garbage-collected)."""

@@ -2,8 +2,9 @@
 
 Each small `tensor.to(device)` from pageable memory makes the driver stage the bytes and wait for the DMA. On the
 H200's host the runner's `prepare`, six such copies and about 0.3 ms of Python, took 0.87-1.55 ms a decode step
-(docs/BENCHMARKS.md, thirteenth session; the copies were not timed one by one). Here the arrays are packed into pinned memory and sent
-as one asynchronous copy into a fresh device buffer; each array comes back as a view of that buffer.
+(docs/BENCHMARKS.md, thirteenth session; the copies were not timed one by one). Here the arrays are packed into
+pinned memory and sent as one asynchronous copy into a fresh device buffer; each array comes back as a view of
+that buffer.
 
 Pinned buffers are reused in turn; before one is rewritten, the host waits for the copy that last read it (long
 done in practice: a step samples, and so synchronises, before the next is prepared). On the CPU the views share a

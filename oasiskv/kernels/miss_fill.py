@@ -113,8 +113,9 @@ def fill_misses(attended: torch.Tensor, selection: torch.Tensor, scores: torch.T
         return out, torch.zeros(batch, dtype=torch.int32, device=attended.device)
     counts = torch.empty(batch, dtype=torch.int32, device=attended.device)  # the kernel writes every row's
     # without counters, COUNT=False compiles the atomics out and the table arguments are never read
-    tables = (counters.row_counts, counters.layer_counts, counters.column, counters.layer,
-              counters.row_counts.stride(0), counters.layer_counts.stride(0)) if counters else (counts, counts, 0, 0, 0, 0)
+    tables = ((counters.row_counts, counters.layer_counts, counters.column, counters.layer,
+               counters.row_counts.stride(0), counters.layer_counts.stride(0)) if counters
+              else (counts, counts, 0, 0, 0, 0))
     _fill_kernel[(batch,)](attended, selection, scores, block_of, rows.contiguous(), nblocks.contiguous(), out,
                            counts, *tables, k, extra, block_of.shape[1], attended.stride(0), selection.stride(0),
                            scores.stride(0), block_of.stride(0), out.stride(0), COUNT=counters is not None,

@@ -13,8 +13,8 @@ Why one scan finds it: a match of length m at end e is a match of every shorter 
 longest n with any occurrence is max over e of m(e) (m capped at max_n), and its latest occurrence is the
 largest e with that m. The kernel maximises m * 2^32 + e over the row, one program per row, BLOCK ends
 at a time (H200, 2026-12-02, scripts/gpu_ngram_bench.py: 40 us for 16 rows of 16K tokens; splitting each row
-over several programs would use more than 16 SMs). Without CUDA: under TRITON_INTERPRET=1 the kernel runs on CPU tensors (tests); otherwise the
-torch reference runs.
+over several programs would use more than 16 SMs). Without CUDA: under TRITON_INTERPRET=1 the kernel runs on CPU
+tensors (tests); otherwise the torch reference runs.
 """
 from __future__ import annotations
 

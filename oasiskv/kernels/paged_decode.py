@@ -264,7 +264,8 @@ def _check_inputs(q, kv_layer, block_tables, seq_lens, out, name):
     if q_heads % kv_heads != 0:
         raise ValueError(f"{name}: q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads})")
     if not isinstance(block_tables, torch.Tensor) or block_tables.dim() != 2 or block_tables.shape[0] != batch:
-        raise ValueError(f"{name}: block_tables must be [batch={batch}, max_blocks_per_seq], got {_shape(block_tables)}")
+        raise ValueError(f"{name}: block_tables must be [batch={batch}, max_blocks_per_seq], "
+                         f"got {_shape(block_tables)}")
     if block_tables.dtype != torch.int32:
         raise ValueError(f"{name}: block_tables must be int32, got {block_tables.dtype}")
     if not isinstance(seq_lens, torch.Tensor) or seq_lens.dim() != 1 or seq_lens.shape[0] != batch:
@@ -376,7 +377,8 @@ def paged_decode_attention(
     block_d = max(16, triton.next_power_of_2(head_dim))
     single = num_splits == 1
     # One fp32 buffer: acc [B, Hq, S, D], then max and sum [B, Hq, S] each.
-    scratch = out if single else torch.empty(batch * q_heads * num_splits * (head_dim + 2), dtype=torch.float32, device=q.device)
+    scratch = out if single else torch.empty(batch * q_heads * num_splits * (head_dim + 2), dtype=torch.float32,
+                                             device=q.device)
     stride_ob, stride_oh, stride_od = out.stride()
     _paged_decode_split_kernel[(batch, kv_heads, num_splits)](
         q,

@@ -48,7 +48,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--temperature", type=float, default=0.8, help="sampling temperature when regenerating")
     d.add_argument("--gen-max-num-seqs", type=int, default=256, help="requests the engine runs at once")
     d.add_argument("--gen-kv-cache-gb", type=float, default=None,
-                   help=f"KV cache of the regenerating engine (default: {GPU_GEN_KV_GB:g} on a GPU, the engine's on CPU)")
+                   help=f"KV cache of the regenerating engine (default: {GPU_GEN_KV_GB:g} on a GPU, "
+                        "the engine's on CPU)")
     h = p.add_argument_group("head and training")
     h.add_argument("--draft-vocab-size", type=int, default=4096,
                    help="SmolLM2-135M: 4096 gives a 15.0 MB head in fp16 (the lm_head is 1152 bytes per token)")

@@ -313,7 +313,8 @@ class OasisPolicy(TieredPolicy):
         attended, selection, scores, draft_scores = self.check_residency(layer, q, dense, draft)
         if self.fills(dense):
             fill = fill_misses if self.cuda else fill_misses_reference
-            counters = FillCounters(self.row_counts[0], self.layer_counts[0], self.counter_index["filled_blocks"], layer)
+            counters = FillCounters(self.row_counts[0], self.layer_counts[0], self.counter_index["filled_blocks"],
+                                    layer)
             attended, _ = fill(attended, selection, scores, self.ws.block_of[layer], self.rows, self.rows_now.nblocks,
                                counters)
         return attended, draft_scores
