@@ -23,22 +23,30 @@ def sdpa(q, k, v, scale, causal=False) -> torch.Tensor:
     n, ctx = q.shape[0], k.shape[0]
     if n > ctx:
         raise ValueError(f"sdpa: {n} queries over {ctx} keys")
-    half_cuda = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
     group = q.shape[1] // k.shape[1]
     q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))
     mask = None
     if causal and n == 1:
         causal = False  # the last position sees every key
     elif causal and n < ctx:
-        if half_cuda and n >= SPLIT_MIN_QUERIES and cudnn_can_attend(q4, k4, v4):
+        if split_applies(q4, k4, v4):
             return split_causal_attention(q4, k4, v4, scale, cudnn_attention_with_lse)[0].transpose(0, 1)
         causal, mask = False, lower_right_causal_mask(n, ctx, q.device)
-    native_gqa = group > 1 and half_cuda
+    native_gqa = group > 1 and half_precision_cuda(q)
     if group > 1 and not native_gqa:
         k4, v4 = k4.repeat_interleave(group, dim=1), v4.repeat_interleave(group, dim=1)
     out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, is_causal=causal, scale=scale,
                                          enable_gqa=native_gqa)
     return out[0].transpose(0, 1)
+
+
+def half_precision_cuda(t: torch.Tensor) -> bool:
+    return t.is_cuda and t.dtype in (torch.float16, torch.bfloat16)
+
+
+def split_applies(q, k, v) -> bool:
+    """Whether a later chunk ([1, H, n, D] queries, fewer than the keys) runs split_causal_attention."""
+    return half_precision_cuda(q) and q.shape[2] >= SPLIT_MIN_QUERIES and cudnn_can_attend(q, k, v)
 
 
 def lower_right_causal_mask(n: int, ctx: int, device) -> torch.Tensor:
