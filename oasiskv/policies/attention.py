@@ -60,7 +60,7 @@ def split_causal_attention(q, k, v, scale, attend) -> torch.Tensor:
     softmax by the two parts' log-sum-exps. Neither part needs a mask, so both run the kernel that the masked
     form cannot (it reads the n x ctx mask and skips none of the hidden part).
     attend(q, k, v, scale, causal) -> (out [1, Hq, n, D], logsumexp of the scaled scores [1, Hq, n])."""
-    n, prior = q.shape[2], k.shape[2] - q.shape[2]
+    prior = k.shape[2] - q.shape[2]
     before, lse_before = attend(q, k[:, :, :prior], v[:, :, :prior], scale, False)
     own, lse_own = attend(q, k[:, :, prior:], v[:, :, prior:], scale, True)
     lse_before, lse_own = (lse.reshape(*q.shape[:3], 1) for lse in (lse_before, lse_own))  # float32 from cuDNN
