@@ -74,6 +74,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "more keeps recently used blocks resident, so fewer selected blocks miss")
     k.add_argument("--host-kv-gb", type=float, default=KV_DEFAULTS.host_kv_gb,
                    help="host store size (default: what the machine can spare)")
+    k.add_argument("--prefill-keep-tokens", type=int, default=KV_DEFAULTS.prefill_keep_tokens,
+                   help="retrieval/oasis: GPU room for one prompt's earlier chunks while it is prefilled in chunks, "
+                        "so its later chunks do not read them back from host memory. Taken from the GPU's room "
+                        "for working sets; default: --max-model-len where a prompt can be longer than "
+                        "--max-num-batched-tokens, within a tenth of that room and never the last working set's room "
+                        "(0: none)")
     o = p.add_argument_group("oasis lookahead (--kv-mode oasis)")
     o.add_argument("--fetch-cap", type=float, default=KV_DEFAULTS.fetch_cap,
                    help="at most this share of the budget prefetched per request per layer per step (1: no cap)")
@@ -135,7 +141,7 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
     kv = KVConfig(mode=args.kv_mode, budget=args.kv_budget, sink_blocks=args.sink_blocks,
                   local_blocks=args.local_blocks, dense_layers=args.dense_layers, block_score=args.block_score,
                   select_per=args.select_per, summary_tokens=args.summary_tokens, layer_weights=args.layer_weights,
-                  shortlist=args.shortlist, host_kv_gb=args.host_kv_gb,
+                  shortlist=args.shortlist, host_kv_gb=args.host_kv_gb, prefill_keep_tokens=args.prefill_keep_tokens,
                   working_set=args.working_set,
                   fetch_cap=args.fetch_cap, draft=draft, draft_model=draft_model, miss_policy=args.miss_policy)
     return EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,

@@ -140,6 +140,10 @@ class KVConfig:
     # retrieval, oasis: tokens per request per layer resident on the GPU (default: the budget). Room beyond
     # the budget keeps recently used blocks, so fewer selected blocks miss; attention still reads the budget
     working_set: int | None = None
+    # retrieval, oasis: tokens of one prompt's earlier prefill chunks kept on the GPU while it is prefilled in chunks,
+    # so later chunks attend to them without reading the host store (kv/prefill_keep.py). Default: max_model_len
+    # where a prompt can take more than one chunk, within a tenth of the GPU's room for KV (policies/factory.py)
+    prefill_keep_tokens: int | None = None
     # oasis mode: a draft token runs beside each decode token; its selection is prefetched for the next step
     fetch_cap: float = 0.05  # at most fetch_cap x budget tokens prefetched per request per layer per step
     draft: str = "ngram"  # ngram | repeat | target | eagle3 | ngram+eagle3 | target+eagle3 (the last three: a head)
@@ -171,6 +175,8 @@ class KVConfig:
             raise ValueError(f"--dense-layers must be in [0, {num_layers}], got {self.dense_layers}")
         if self.working_set is not None:
             self.validate_working_set(block_size)
+        if self.prefill_keep_tokens is not None and self.prefill_keep_tokens < 0:
+            raise ValueError(f"--prefill-keep-tokens must be >= 0 (0: none), got {self.prefill_keep_tokens}")
         if self.layer_weights:
             self.validate_layer_weights(block_size, num_layers)
         if self.shortlist:

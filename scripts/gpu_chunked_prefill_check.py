@@ -2,7 +2,9 @@
 sampled token's top-5 logprobs and the greedy continuation. Later chunks are attended once by the split kernel
 (policies/attention.sdpa: the chunk over its prefix and over itself, merged) and once by the masked kernel it
 replaced (SPLIT_MIN_QUERIES raised above every chunk). The masked kernel's distance from the whole prompt is the
-yardstick: bf16 attention rounds differently over a chunk boundary either way.
+yardstick: bf16 attention rounds differently over a chunk boundary either way. Retrieval and oasis run once more with
+later chunks reading their prefix from host memory (--prefill-keep-tokens 0), against the prefill keep: the same
+values, so the same output to the bit.
 
     PYTHONPATH=. python3 scripts/gpu_chunked_prefill_check.py [--model qwen3-0.6b] [--context 8192] [--chunk 2048]
         [--modes dense,oasis] [--json FILE]
@@ -24,11 +26,12 @@ from scripts.gpu_graph_check import prompts_for
 TOP, COMPARED = 20, 5  # logprobs recorded; the whole prompt's most likely tokens compared
 
 
-def run(args, mode: str, chunk: int, split_min: int) -> list[tuple[list[int], dict]]:
-    """Per prompt: the greedy tokens and the first token's top-TOP logprobs {token id: logprob}."""
+def run(args, mode: str, chunk: int, split_min: int, keep: int | None = None) -> list[tuple[list[int], dict]]:
+    """Per prompt: the greedy tokens and the first token's top-TOP logprobs {token id: logprob}. keep: retrieval's
+    and oasis's --prefill-keep-tokens (default: the engine's)."""
     attention.SPLIT_MIN_QUERIES = split_min
     cfg = EngineConfig(model=args.model, load_format="dummy", dtype="bfloat16", show_progress=False,
-                       kv=KVConfig(mode=mode, budget=args.budget, host_kv_gb=args.host_gb),
+                       kv=KVConfig(mode=mode, budget=args.budget, host_kv_gb=args.host_gb, prefill_keep_tokens=keep),
                        cache=CacheConfig(gpu_memory_gb=args.gpu_gb),
                        scheduler=SchedulerConfig(max_num_batched_tokens=chunk, max_model_len=args.context + 64))
     engine = LLMEngine(cfg)  # the engine itself: the offline API needs pydantic, which the GPU machine lacks
@@ -75,9 +78,14 @@ def main() -> None:
     default_min, rows = attention.SPLIT_MIN_QUERIES, []
     for mode in args.modes.split(","):
         whole = run(args, mode, args.context + 64, default_min)  # every prompt in one chunk
-        for name, split_min in (("split", default_min), ("mask", args.context + 1)):
-            rows.append({"mode": mode, "later chunks": name, **compare(whole, run(args, mode, args.chunk, split_min))})
-    print_table(rows, ("mode", "later chunks", "max_logprob_diff", "tokens_equal", "first_divergence"))
+        split = run(args, mode, args.chunk, default_min)
+        rows.append({"mode": mode, "later chunks": "split", "against": "whole", **compare(whole, split)})
+        rows.append({"mode": mode, "later chunks": "mask", "against": "whole",
+                     **compare(whole, run(args, mode, args.chunk, args.context + 1))})
+        if mode in ("retrieval", "oasis"):  # the prefix from the GPU's prefill keep (default) or from host memory
+            rows.append({"mode": mode, "later chunks": "split, prefix from host", "against": "split",
+                         **compare(split, run(args, mode, args.chunk, default_min, keep=0))})
+    print_table(rows, ("mode", "later chunks", "against", "max_logprob_diff", "tokens_equal", "first_divergence"))
     if args.json:
         write_json(args.json, {"args": vars(args), "rows": rows}, torch.device("cuda"))
 

@@ -28,12 +28,15 @@ COUNTERS = ("kv_selected_blocks", "kv_hits", "kv_misses", "kv_prefetched_blocks"
 def engine_for(args, mode: str, eager: bool, dtype: str, context: int, steps: int, overlap: bool | None = None,
                **kv) -> LLMEngine:
     """overlap: --async-scheduling (default: args.async_scheduling, if the script has it); args.block_score, if
-    the script has it and it is set, is the selecting modes' --block-score; args.miss_policy likewise oasis's."""
+    the script has it and it is set, is the selecting modes' --block-score; args.miss_policy likewise oasis's;
+    args.prefill_keep_tokens likewise every mode's."""
     overlap = getattr(args, "async_scheduling", False) if overlap is None else overlap
     if getattr(args, "block_score", None) and mode != "dense":
         kv.setdefault("block_score", args.block_score)
     if getattr(args, "miss_policy", None) and mode == "oasis":
         kv.setdefault("miss_policy", args.miss_policy)
+    if getattr(args, "prefill_keep_tokens", None) is not None:
+        kv.setdefault("prefill_keep_tokens", args.prefill_keep_tokens)
     chunk = getattr(args, "chunk", None) or 16384  # --max-num-batched-tokens, where the script has --chunk
     cfg = EngineConfig(model=args.model, load_format="dummy", dtype=dtype, show_progress=False, enforce_eager=eager,
                        kv=KVConfig(mode=mode, budget=args.budget, host_kv_gb=args.host_gb, **kv),

@@ -3,7 +3,7 @@ of one prompt each, then one step under torch.profiler, with the kernels by devi
 operators by self CPU time. Random-weight model; each prompt samples one token and finishes.
 
     PYTHONPATH=. python scripts/gpu_prefill_profile.py [--model qwen3-8b] [--context 16384] [--modes quest,oasis] \\
-        [--chunk 4096]
+        [--chunk 4096] [--prefill-keep-tokens 0]
 """
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ def main() -> None:
     p.add_argument("--host-gb", type=float, default=32)
     p.add_argument("--rows", type=int, default=12)
     p.add_argument("--json", default=None)
+    p.add_argument("--prefill-keep-tokens", type=int, default=None, help="retrieval/oasis (default: the engine's)")
     p.add_argument("--trace-dir", default=None, help="also save each mode's profiled step there (MODE.json)")
     args = p.parse_args()
     prompts = prompts_for(args.prompts + 2, args.context, stride=0)

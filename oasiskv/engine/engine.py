@@ -94,7 +94,7 @@ class LLMEngine:
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         kv = build_kv(kv_model_config, cache_cfg, kv_cfg, gpu_blocks, self.max_model_len,
                       config.scheduler.max_num_seqs, self.dtype, self.device, timing=not use_graphs,
-                      **self.kv_overrides())
+                      prefill_chunk=config.scheduler.max_num_batched_tokens, **self.kv_overrides())
         self.pool, self.host, self.policy, self.allocator = kv.pool, kv.host, kv.policy, kv.allocator
         if self.tp:
             attach_score_combiner(self.policy, self.tp, self.model_config)

@@ -124,7 +124,7 @@ class ModelRunner:
             n = len(c.token_ids)
             used = -(-(c.start + n) // self.block_size)
             blocks = torch.tensor(c.block_ids[:used], dtype=torch.long).to(self.device, non_blocking=True)
-            spans.append(PrefillSpan(t, t + n, c.start, blocks, c.block_ids[:used]))
+            spans.append(PrefillSpan(t, t + n, c.start, blocks, c.block_ids[:used], c.request_id, c.sample))
             t += n
         return spans
 

@@ -16,6 +16,8 @@ class PrefillSpan:
     start_pos: int
     block_ids: torch.Tensor  # long [n_blocks]
     block_list: list[int]  # the same ids, on the host
+    request_id: str = ""
+    completes: bool = True  # the chunk ends the prompt (a later chunk of it follows when False)
 
 
 @dataclass

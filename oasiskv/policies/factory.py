@@ -1,6 +1,7 @@
 """Builds the KV storage and the policy for a --kv-mode, and sizes them from the memory budgets."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -63,28 +64,50 @@ def tiered_policy(kv: KVConfig) -> type:
 
 
 def build_retrieval(model_cfg, cache, kv, gpu_kv_blocks, max_model_len, max_num_seqs, dtype, device,
-                    timing: bool = True, policy_class=None, store_blocks: int | None = None) -> KVSetup:
+                    timing: bool = True, policy_class=None, store_blocks: int | None = None,
+                    prefill_chunk: int = 0) -> KVSetup:
     """policy_class replaces the mode's policy; store_blocks sizes the host store apart from the block
-    ids handed out (a decode instance keeps only part of each request's KV: disagg/local.py)."""
+    ids handed out (a decode instance keeps only part of each request's KV: disagg/local.py); prefill_chunk:
+    --max-num-batched-tokens, the longest prefill chunk (0: unknown)."""
     bs, per_block = cache.block_size, bytes_per_block(model_cfg, cache.block_size, dtype)
     host_blocks = host_block_count(cache, kv, per_block, device)
     # oasis: room for the block a draft token opens
     width = kv.working_set_blocks(model_cfg.num_layers, bs) + (kv.mode == "oasis")
     parts = kv.summary_parts(bs)
     summary_blocks = -(-host_blocks * parts // bs)  # summaries cost parts / block_size of the KV they describe
-    rows = min(max_num_seqs, (gpu_kv_blocks - summary_blocks) // width)
+    # a block of the pool holds block_size tokens of every layer, as the keep does
+    keep_blocks = prefill_keep_blocks(kv, max_model_len, prefill_chunk, gpu_kv_blocks - summary_blocks, width, bs)
+    keep_tokens = keep_blocks * bs
+    rows = min(max_num_seqs, (gpu_kv_blocks - summary_blocks - keep_blocks) // width)
     if rows < 1:
         raise ValueError(f"the GPU has room for {gpu_kv_blocks} KV blocks: not enough for the summaries of "
-                         f"{host_blocks} host blocks plus one working set of {width} blocks")
+                         f"{host_blocks} host blocks, {keep_blocks} blocks of prefill keep (--prefill-keep-tokens "
+                         f"{keep_tokens}) plus one working set of {width} blocks")
     pool = KVPool(model_cfg, rows * width, bs, dtype, device)
     host = HostStore(model_cfg, store_blocks or host_blocks, bs, dtype, pin=device.type == "cuda")
     ws = WorkingSet(model_cfg.num_layers, rows, width, -(-max_model_len // bs) + 1, device)
     summaries = BlockSummaries(model_cfg, host_blocks, dtype, device, parts)
     policy_class = policy_class or tiered_policy(kv)
+    kv = dataclasses.replace(kv, prefill_keep_tokens=keep_tokens)
     policy = policy_class(pool, host, ws, kv, summaries, bs, model_cfg.head_dim ** -0.5, device, timing)
     return KVSetup(policy, BlockAllocator(host_blocks), rows, pool, host,
                    f"{kv.mode}: {host_blocks} host blocks ({host.kv.numel() * host.kv.element_size() / GiB:.1f} GiB), "
-                   f"{rows} working sets of {width} blocks on the GPU")
+                   f"{rows} working sets of {width} blocks on the GPU, prefill keep of {keep_tokens} tokens")
+
+
+KEEP_SHARE = 0.1  # the default prefill keep takes at most this share of the GPU's room for KV
+
+
+def prefill_keep_blocks(kv: KVConfig, max_model_len: int, prefill_chunk: int, room_blocks: int, width: int,
+                        bs: int) -> int:
+    """Blocks of prefill keep (policies/tiered.py): --prefill-keep-tokens in whole blocks; by default max_model_len
+    where a prompt can take more than one chunk, within KEEP_SHARE of `room_blocks` (the GPU's room beside the
+    summaries) and within what one working set of `width` blocks leaves: it never stops a configuration running."""
+    if kv.prefill_keep_tokens is not None:
+        return -(-kv.prefill_keep_tokens // bs)
+    if max_model_len <= prefill_chunk:
+        return 0
+    return max(0, min(-(-max_model_len // bs), int(KEEP_SHARE * room_blocks), room_blocks - width))
 
 
 def host_block_count(cache: CacheConfig, kv: KVConfig, per_block: int, device: torch.device) -> int:

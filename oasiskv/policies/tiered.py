@@ -21,6 +21,7 @@ from oasiskv.kernels.host_gather import (gather_host_blocks, gather_host_blocks_
 from oasiskv.kernels.tail_append import append_to_tails, append_to_tails_reference
 from oasiskv.kv.gpu_pool import KVPool
 from oasiskv.kv.host_store import HostStore
+from oasiskv.kv.prefill_keep import EXTEND, TAKE, PrefillKeep
 from oasiskv.kv.summaries import BlockSummaries
 from oasiskv.kv.working_set import WorkingSet
 from oasiskv.policies.attention import sdpa
@@ -46,6 +47,9 @@ class TieredPolicy(SparsePolicy):
                  timing: bool = True):
         super().__init__(kv_cfg, summaries, block_size, scale, device, timing)
         self.pool, self.host, self.ws = pool, host, working_set
+        layers, _, _, _, kv_heads, head_dim = pool.kv.shape
+        self.keep = PrefillKeep(layers, kv_cfg.prefill_keep_tokens or 0, kv_heads, head_dim, pool.kv.dtype, device)
+        self.keep_ways: list[str | None] = []  # how the keep serves each prefill span of the step
         self.counter_index = {name: i for i, name in enumerate(self.COUNTERS)}
         # one set of counters per stream that counts ("lane" 0: compute, 1: copy, 2: oasis's tail graph): no two
         # streams accumulate into the same memory
@@ -117,12 +121,16 @@ class TieredPolicy(SparsePolicy):
                 self.counts[name] += v
             mine["kv_bytes_gathered"] = mine["kv_fetched_blocks"] * self.host.chunk_bytes
         self.ws.release(request_id)
+        self.keep.release(request_id)
 
     def stats(self) -> dict:
         self.wait_for_copies()
         live = self.row_counts.sum((0, 1)).tolist()
         out = {f"kv_{name}": self.counts.get(name, 0) + v for name, v in zip(self.COUNTERS, live)}
         out["kv_bytes_gathered"] = out["kv_fetched_blocks"] * self.host.chunk_bytes
+        # tokens of earlier chunks that later prefill chunks attended to (in every layer), by where they were read
+        out["kv_prefill_prefix_tokens_kept"] = self.keep.served["kept"]
+        out["kv_prefill_prefix_tokens_from_host"] = self.keep.served["host"]
         out.update({f"kv_time_{k}_s": round(v, 6) for k, v in self.timer.totals.items()})
         return out
 
@@ -134,6 +142,7 @@ class TieredPolicy(SparsePolicy):
         # what earlier steps wrote to the host store and the current stream has not waited for yet: the
         # prefix reads of continued prefills wait for it
         self.prefix_written = self.store_stream.record_event() if self.host_writes_pending else None
+        self.keep_ways = self.keep.plan(meta.prefills)
         arrays = self.step_arrays(meta)
         self.step_buffer, views = self.upload(list(arrays.values()))
         for name, t in zip(arrays, views):
@@ -166,23 +175,32 @@ class TieredPolicy(SparsePolicy):
         return out
 
     def prefill(self, layer, q, k, v, out) -> None:
-        """Prefill writes the host store (and summaries) and attends densely; nothing stays resident."""
+        """Prefill writes the host store (and summaries) and attends densely; nothing stays resident but
+        what the prefill keep holds until the prompt's last chunk."""
         meta = self.meta
         self.write_host(layer, k, v)
         self.summaries.merge_spans(layer, meta.prefills, k, self.block_size)
-        for span in meta.prefills:
+        for span, way in zip(meta.prefills, self.keep_ways):
             s, e = span.token_start, span.token_end
+            if way in (TAKE, EXTEND):
+                self.keep.store(layer, span.start_pos, k[s:e], v[s:e])
             if span.start_pos == 0:
                 out[s:e] = sdpa(q[s:e], k[s:e], v[s:e], self.scale, causal=True)
                 continue
-            # earlier chunks' K/V from the host store (their copies were issued in earlier steps); this
-            # chunk's own from the GPU
-            if self.prefix_written is not None:
-                torch.cuda.current_stream().wait_event(self.prefix_written)
-            prior = span.start_pos
-            pk, pv = self.host.read_prefix(layer, span.block_ids[: -(-prior // self.block_size)], prior, q.device)
-            pk, pv = torch.cat([pk, k[s:e]]), torch.cat([pv, v[s:e]])
+            if way:
+                pk, pv = self.keep.keys_and_values(layer, span.start_pos, k[s:e], v[s:e], way)
+            else:
+                pk, pv = self.prefix_from_host(layer, span, k[s:e], v[s:e])
             out[s:e] = sdpa(q[s:e], pk, pv, self.scale, causal=True)
+
+    def prefix_from_host(self, layer, span, k, v):
+        """K and V of a later chunk's positions: earlier chunks' from the host store (their copies were issued in
+        earlier steps), the chunk's own from the GPU."""
+        if self.prefix_written is not None:
+            torch.cuda.current_stream().wait_event(self.prefix_written)
+        prior = span.start_pos
+        pk, pv = self.host.read_prefix(layer, span.block_ids[: -(-prior // self.block_size)], prior, k.device)
+        return torch.cat([pk, k]), torch.cat([pv, v])
 
     def write_host(self, layer, k, v) -> None:
         """The prefill chunks' K/V to the host store: by the copy engines on the store stream where the
