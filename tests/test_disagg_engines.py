@@ -175,3 +175,9 @@ def test_bad_kv_transfer_params_are_refused(config):
     assert not decode.requests and decode.allocator.num_free == decode.allocator.num_blocks
     with pytest.raises(ValueError, match="--kv-mode oasis"):
         DecodeEngine(config.replace(kv=KVConfig(mode="quest", budget=64)), DisaggConfig(role="decode"))
+
+
+def test_a_decode_instance_keeps_no_gpu_room_for_prefill_chunks(config):
+    chunked = config.replace(scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
+    assert LLMEngine(chunked).policy.keep.capacity > 0  # 512-token prompts in 64-token chunks
+    assert DecodeEngine(chunked, DisaggConfig(role="decode")).policy.keep.capacity == 0  # it never prefills

@@ -5,6 +5,7 @@ prefill), so its first step is a decode of that token, and every block it fetche
 RemoteOasisPolicy."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from oasiskv.config import HEAD_DRAFTS, DisaggConfig, EngineConfig
@@ -30,6 +31,8 @@ class DecodeEngine(LLMEngine):
             raise ValueError(f"--role decode supports --draft ngram, repeat or target, not {config.kv.draft} "
                              "(its EAGLE-3 head would need the prompt's hidden states from the prefill instance)")
         self.disagg = disagg
+        if config.kv.prefill_keep_tokens is None:  # it never prefills: no GPU room for a prompt's chunks
+            config = dataclasses.replace(config, kv=dataclasses.replace(config.kv, prefill_keep_tokens=0))
         super().__init__(config)
         self.remote = RemoteKV(KVAgent("decode"), LocalChunks(self.host, disagg.remote_cache_blocks), disagg)
         self.policy.remote = self.remote
