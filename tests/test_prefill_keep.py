@@ -78,10 +78,12 @@ def test_the_default_keep_is_max_model_len_where_prompts_can_be_chunked_within_a
         KVConfig(mode="oasis", prefill_keep_tokens=-1).validate(16, 2)
 
 
-@pytest.mark.parametrize("mode,per", [("retrieval", "layer"), ("oasis", "layer"), ("oasis", "kv-head")])
-def test_chunks_attend_to_the_keep_as_to_the_host_store(mode, per, tmp_path):
+@pytest.mark.parametrize("mode,per,host_blocks", [("retrieval", "layer", None), ("oasis", "layer", None),
+                                                  ("oasis", "kv-head", None), ("oasis", "layer", 14)])
+def test_chunks_attend_to_the_keep_as_to_the_host_store(mode, per, host_blocks, tmp_path):
     """Prompts prefilled in chunks give the same tokens and logprobs, to the bit, whether later chunks read their
-    prefix from the keep or from the host store; the statistics say which was read."""
+    prefix from the keep or from the host store; the statistics say which was read. With a host store of 14 blocks
+    requests are preempted (prefills among them) and start again."""
     from oasiskv.api import LLM, SamplingParams
     from tests.helpers import write_tiny_config
 
@@ -89,13 +91,16 @@ def test_chunks_attend_to_the_keep_as_to_the_host_store(mode, per, tmp_path):
     prompts = [[(7 * i + 3 * j) % 500 + 5 for i in range(length)] for j, length in enumerate((150, 113, 40))]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
 
+    host = {"num_kv_blocks": host_blocks} if host_blocks else {"host_kv_gb": 0.01}
+
     def run(keep_tokens):
         llm = LLM(tiny, load_format="dummy", show_progress=False, kv_mode=mode, kv_budget=64, sink_blocks=1,
-                  local_blocks=1, fetch_cap=0.25, host_kv_gb=0.01, kv_cache_gb=0.01, max_num_batched_tokens=48,
-                  select_per=per, prefill_keep_tokens=keep_tokens)
+                  local_blocks=1, fetch_cap=0.25, kv_cache_gb=0.01, max_num_batched_tokens=48, select_per=per,
+                  schedule_policy="mixed", prefill_keep_tokens=keep_tokens, **host)
         outs = llm.generate(prompts, params, use_tqdm=False)
         found = [[(t, {i: lp.logprob for i, lp in row.items()}) for t, row in zip(o.outputs[0].token_ids,
                                                                                o.outputs[0].logprobs)] for o in outs]
+        assert (llm.engine.stats_dict()["preemptions"] > 0) == bool(host_blocks)
         return found, llm.engine.policy.stats()
 
     from_host, host_stats = run(0)
