@@ -177,6 +177,9 @@ class KVConfig:
             self.validate_working_set(block_size)
         if self.prefill_keep_tokens is not None and self.prefill_keep_tokens < 0:
             raise ValueError(f"--prefill-keep-tokens must be >= 0 (0: none), got {self.prefill_keep_tokens}")
+        if self.prefill_keep_tokens and not self.offloaded:
+            raise ValueError(f"--prefill-keep-tokens applies to the retrieval and oasis modes (--kv-mode {self.mode} "
+                             "keeps every prompt's KV on the GPU)")
         if self.layer_weights:
             self.validate_layer_weights(block_size, num_layers)
         if self.shortlist:
@@ -250,14 +253,14 @@ class KVConfig:
 
     def for_mode(self, mode: str, **changes) -> "KVConfig":
         """This configuration for another mode (bench and eval run several from one set of flags):
-        --working-set stays with the host modes and is dropped for those that hold everything on the GPU; --shortlist
-        stays with the modes that take it."""
+        --working-set and --prefill-keep-tokens stay with the host modes and are dropped for those that hold
+        everything on the GPU; --shortlist stays with the modes that take it."""
         kv = dataclasses.replace(self, mode=mode, **changes)
         if mode == "dense":  # dense selects nothing: a sweep's --select-per leaves it as it is
             kv = dataclasses.replace(kv, select_per="layer", summary_tokens=None, layer_weights=())
         if mode not in SHORTLIST_MODES:
             kv = dataclasses.replace(kv, shortlist=0.0)
-        return kv if kv.offloaded else dataclasses.replace(kv, working_set=None)
+        return kv if kv.offloaded else dataclasses.replace(kv, working_set=None, prefill_keep_tokens=None)
 
     @property
     def working_set_tokens(self) -> int:

@@ -76,6 +76,12 @@ def test_the_default_keep_is_max_model_len_where_prompts_can_be_chunked_within_a
     assert prefill_keep_blocks(chosen, 8192, 4096, room_blocks=140, width=129, bs=16) == 7  # as asked, in blocks
     with pytest.raises(ValueError, match="--prefill-keep-tokens must be >= 0"):
         KVConfig(mode="oasis", prefill_keep_tokens=-1).validate(16, 2)
+    with pytest.raises(ValueError, match="--prefill-keep-tokens applies to the retrieval and oasis modes"):
+        KVConfig(mode="quest", prefill_keep_tokens=4096).validate(16, 2)
+    KVConfig(mode="quest", prefill_keep_tokens=0).validate(16, 2)  # none: nothing to refuse
+    # a bench's flags for every mode: the keep stays with the host modes
+    flags = KVConfig(mode="oasis", prefill_keep_tokens=4096)
+    assert flags.for_mode("dense").prefill_keep_tokens is None and flags.for_mode("retrieval").prefill_keep_tokens == 4096
 
 
 @pytest.mark.parametrize("mode,per,host_blocks", [("retrieval", "layer", None), ("oasis", "layer", None),
@@ -110,3 +116,15 @@ def test_chunks_attend_to_the_keep_as_to_the_host_store(mode, per, host_blocks, 
     assert keep_stats["kv_prefill_prefix_tokens_kept"] > 0
     total = sum(host_stats[f"kv_prefill_prefix_tokens_{w}"] for w in ("kept", "from_host"))
     assert sum(keep_stats[f"kv_prefill_prefix_tokens_{w}"] for w in ("kept", "from_host")) == total
+
+
+@pytest.mark.parametrize("flags, want", [([], None), (["--prefill-keep-tokens", "0"], 0),
+                                         (["--prefill-keep-tokens", "8192"], 8192)])
+def test_the_cli_flag_reaches_the_config(flags, want):
+    import argparse
+
+    from oasiskv.cli import add_engine_args, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config(parser.parse_args(["--kv-mode", "oasis", *flags])).kv.prefill_keep_tokens == want
