@@ -17,7 +17,7 @@
 #   scripts/gpu_shortlist.sh finer3 OUTDIR the finer selection (per KV head, 4-token summaries) with a 3x list
 #   scripts/gpu_shortlist.sh eval40 OUTDIR dense, quest and oasis with mass scores and a 3x list at 40 samples a task
 #                                          (the first 20 are eval's)
-#   The evals need the GGUF at /root/models (../shared/device/stage-smollm2.sh) and OASISKV_EVAL_CACHE=.carry/eval-cache.
+#   The evals need the GGUF at /root/models (scripts/stage_smollm2_three.sh) and OASISKV_EVAL_CACHE=.carry/eval-cache.
 USAGE="usage: scripts/gpu_shortlist.sh cost|tile|eval|eval-finer|eval4|finer3|eval40 OUTDIR"
 source "$(dirname "$0")/gpu_what_out.sh" "$@"
 quiet() { grep -v 'it/s\]' | grep -v '^\[eval\] context'; }
