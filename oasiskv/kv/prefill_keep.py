@@ -27,10 +27,6 @@ class PrefillKeep:
         self.held = 0  # its tokens held, once the current step's chunk is written
         self.served = {"kept": 0, "host": 0}  # prefix tokens that later chunks read from each (in every layer)
 
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.kv is None else self.kv.numel() * self.kv.element_size()
-
     def plan(self, spans: list[PrefillSpan]) -> list[str | None]:
         """Per span of this step: TAKE (a first chunk that does not end its prompt: the keep stores it), EXTEND (the
         holder's next chunk: its prefix is here, and the chunk is stored too), LAST (the holder's chunk that ends the
