@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, ".")
 from scripts.top1_flips import dense_gaps  # noqa: E402
+from scripts.twin_layers import parse_layer_budgets, suggested_weights  # noqa: E402,F401  (tests use both here)
 from scripts.twin_sweep import join_runs, plot_sweep, print_sweep  # noqa: E402
 
 SINK_TOKENS, LOCAL_TOKENS = 16, 64  # the engine's defaults: 1 sink and 4 local blocks of 16 tokens
@@ -64,6 +65,9 @@ class Rule:
     # the keys the second pass reads: "exact" (the pool's), "fp8" (an e4m3 copy with one scale per block and KV
     # head: what a list pass reading half the bytes would see) or "fp8-token" (one scale per token and KV head)
     list_keys: str = "exact"
+    # per KV head: the layer's heads share budget x heads tokens (as Ada-KV allocates): each keeps its sink and local
+    # window, the rest go to the (head, block) pairs of highest score. Scores must compare across heads (oracle, mass)
+    pooled: bool = False
 
     def at_layer(self, layer: int | None) -> "Rule | None":
         """The rule as this layer applies it: None where the layer is dense, else with the layer's budget."""
@@ -75,7 +79,8 @@ class Rule:
     @property
     def label(self) -> str:
         sub = f" ({self.summary}-token summaries)" if self.summary not in (None, self.block) else ""
-        combined = " per KV head" if self.per_kv_head else " max over KV heads" if self.combine == "max" else ""
+        combined = " per KV head, pooled" if self.pooled else " per KV head" if self.per_kv_head else \
+            " max over KV heads" if self.combine == "max" else ""
         rest = " + rest" if self.rest else ""
         dense = f" + layer {self.dense_layer} dense" if self.dense_layer is not None else ""
         if self.shortlist:
@@ -165,8 +170,14 @@ def selected_keys(rule: Rule, scores: torch.Tensor, num_keys: int, first_pos: in
     forced = (j[None] < sink) | (j[None] >= blocks_seen[:, None] - local)
     rank = scores.masked_fill(forced, float("inf")).masked_fill(j[None] >= blocks_seen[:, None], float("-inf"))
     budget_blocks = rule.budget // rule.block
-    top = rank.topk(min(budget_blocks, nb), dim=-1).indices
-    chosen = torch.zeros(x, sq, nb, dtype=torch.bool, device=dev).scatter_(-1, top, True)
+    if rule.pooled:  # one ranking over every head's blocks, budget_blocks a head in all
+        pairs = rank.transpose(0, 1).reshape(sq, x * nb)
+        top = pairs.topk(min(budget_blocks * x, x * nb), dim=-1).indices
+        chosen = torch.zeros(sq, x * nb, dtype=torch.bool, device=dev).scatter_(-1, top, True)
+        chosen = chosen.view(sq, x, nb).transpose(0, 1).contiguous()
+    else:
+        top = rank.topk(min(budget_blocks, nb), dim=-1).indices
+        chosen = torch.zeros(x, sq, nb, dtype=torch.bool, device=dev).scatter_(-1, top, True)
     chosen &= j[None, None] < blocks_seen[None, :, None]
     keys = chosen.repeat_interleave(rule.block, -1)[..., :num_keys]
     return keys & (torch.arange(num_keys, device=dev)[None, None] < seen[None, :, None])
@@ -340,6 +351,8 @@ def parse_rules(args) -> list[Rule]:
                         rules.append(Rule(score, block, False, args.budget, sub, combine, rest))
                     if args.per_kv_head:
                         rules.append(Rule(score, block, True, args.budget, sub, rest=rest))
+                    if getattr(args, "pool_kv_heads", False) and score != "bound":
+                        rules.append(Rule(score, block, True, args.budget, sub, rest=rest, pooled=True))
     return rules
 
 
@@ -364,18 +377,6 @@ def with_layer_variants(rules: list[Rule], args, num_layers: int) -> list[Rule]:
                     for pairs, others in parse_layer_budgets(args.layer_budgets, num_layers)]
 
 
-def suggested_weights(cuts: dict[int, float], kl: float, share: float = 0.10, weight: float = 2.5) -> str:
-    """From --ablate-layers: the layers whose dense attention cuts at least `share` of the rule's KL, largest cut
-    first, as an engine --layer-weights value giving each `weight` (SmolLM2's five such layers at 2.5 get twice
-    the budget; docs/ACCURACY.md, "Budgets per layer")."""
-    heavy = sorted((layer for layer, cut in cuts.items() if kl > 0 and cut >= share * kl), key=lambda l: -cuts[l])
-    if not heavy:
-        return f"no layer cuts {share:.0%} of the KL alone: one budget in every layer"
-    shares = ", ".join(f"{layer} ({cuts[layer] / kl:.0%})" for layer in heavy)
-    return f"layers cutting >= {share:.0%} of the KL: {shares}; --layer-weights " + \
-        ",".join(f"{layer}={weight:g}" for layer in sorted(heavy))
-
-
 def add_layer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rest", default="none", help="none (attend to the selection only) and/or mean (also the blocks "
                    "left out, each estimated by its mean key and value), e.g. none,mean")
@@ -388,23 +389,6 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layer-budgets", nargs="*", default=[], metavar="L=N[,L=N...]:OTHERS",
                    help="also each rule with these layers at their own budgets and every other layer at OTHERS, e.g. "
                    "7=8192:1824 (the same tokens in all as 2048 each over 30 layers, give or take a block)")
-
-
-def parse_layer_budgets(specs: list[str], num_layers: int) -> list[tuple[tuple[tuple[int, int], ...], int]]:
-    """--layer-budgets "7=8192,18=4096:1696" -> [(((7, 8192), (18, 4096)), 1696)]: those layers' budgets, then every
-    other layer's."""
-    out = []
-    for spec in specs:
-        try:
-            listed, rest = spec.split(":")
-            pairs = tuple((int(layer), int(budget)) for layer, budget in (p.split("=") for p in listed.split(",")))
-            rest = int(rest)
-        except ValueError:
-            raise SystemExit(f"error: --layer-budgets takes LAYER=BUDGET[,LAYER=BUDGET...]:OTHERS, not {spec!r}")
-        if not all(0 <= layer < num_layers for layer, _ in pairs):
-            raise SystemExit(f"error: --layer-budgets {spec!r} names a layer outside 0..{num_layers - 1}")
-        out.append((pairs, rest))
-    return out
 
 
 def shortlists(args) -> list[float]:
@@ -447,6 +431,9 @@ def main() -> None:
                    "summaries of this many tokens each (divisors of the block size), e.g. 8 or 4,8")
     p.add_argument("--per-kv-head", action=argparse.BooleanOptionalAction, default=True,
                    help="also one selection per KV head (default: yes)")
+    p.add_argument("--pool-kv-heads", action="store_true", help="also each oracle and mass rule per KV head with "
+                   "the layer's budget pooled over its KV heads (each keeps sink and local window; Quest's bounds do "
+                   "not compare across heads, so bound rules are not pooled)")
     p.add_argument("--combine", default="sum", help="per-layer selections: sum (the engine's) and/or max of the KV "
                    "heads' scores, e.g. sum,max")
     add_layer_arguments(p)

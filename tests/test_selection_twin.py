@@ -424,3 +424,62 @@ def test_fp8_list_keys_err_within_e4m3_rounding(per):
     assert torch.equal(got > float("-inf"), finite)
     err = (got - logits)[finite].abs()
     assert (err <= bound[finite] * 1.0001 + 1e-6).all() and err.max() > 1e-4  # rounded, within the bound
+
+
+@pytest.mark.parametrize("score", ["oracle", "mass"])
+def test_pooled_selection_keeps_the_heads_pairs_of_highest_score(score):
+    """Brute force per row: each KV head's sink and local window, then the (head, block) pairs of highest score
+    over both heads until budget x heads blocks are kept."""
+    torch.manual_seed(9)
+    hq, hkv, d, s, sq, block = 4, 2, 8, 300, 3, 8
+    q, k = torch.randn(hq, sq, d) * 2, torch.randn(hkv, s, d)
+    rule = twin.Rule(score, block, True, 128, pooled=True)  # 16 blocks a head: 2 sink, 8 local, 6 free
+    keep, probs = twin_keep(rule, q, k, s - sq, scale=0.5)
+    scores = twin.head_scores(rule, q, k, probs, 0.5).view(hkv, 2, sq, -1).amax(1)
+    for i in range(sq):
+        n = -(-(s - sq + i + 1) // block)
+        forced = {0, 1} | set(range(n - 8, n))
+        free = sorted(((h, b) for h in range(hkv) for b in range(n) if b not in forced),
+                      key=lambda hb: -float(scores[hb[0], i, hb[1]]))
+        picked = set(free[:2 * (16 - len(forced))])
+        for h in range(hkv):
+            got = {j // block for j in keep[h, i].nonzero().flatten().tolist()}
+            assert got == forced | {b for g, b in picked if g == h}
+        unseen = n * block - (s - sq + i + 1)  # the row's last block is partial
+        assert keep[:, i].sum() == 2 * (16 * block - unseen)  # the pooled budget, all of it
+
+
+def test_pooling_gives_a_head_with_spread_attention_more_than_its_share():
+    """Head 0 pays its mass to many blocks, head 1 to a few: pooled, head 0 keeps more than budget tokens and head 1
+    fewer; per KV head each keeps exactly its budget."""
+    torch.manual_seed(10)
+    d, s, block = 8, 320, 8
+    k = torch.randn(2, s, d)
+    q = torch.zeros(2, 1, d)
+    k[1, 40] *= 5
+    q[1, 0] = k[1, 40]  # head 1 attends to one key (logit ~200 against others' ~N(0, 14^2)), head 0 evenly
+    rule = twin.Rule("oracle", block, True, 128)
+    even, _ = twin_keep(rule, q, k, s - 1)
+    pooled, _ = twin_keep(dataclasses.replace(rule, pooled=True), q, k, s - 1)
+    assert even[0, 0].sum() == even[1, 0].sum() == 128
+    assert pooled[0, 0].sum() > 128 > pooled[1, 0].sum() and pooled[:, 0].sum() == 256
+    assert pooled[1, 0, 40]  # head 1 still keeps the key it attends to
+
+
+def test_a_pooled_budget_over_the_context_gives_denses_rows(tiny_llama):
+    torch.manual_seed(4)
+    window = torch.randint(0, 97, (150,)).tolist()
+    dense, pooled = twin.scored_rows(tiny_llama, window, 10, [None, twin.Rule("oracle", 16, True, 160, pooled=True)])
+    assert torch.equal(pooled, dense)
+    dense, pooled = twin.scored_rows(tiny_llama, torch.randint(0, 97, (400,)).tolist(), 8,
+                                     [None, twin.Rule("oracle", 16, True, 96, pooled=True)])
+    assert (dense - pooled).abs().max() > 1e-4
+
+
+def test_pool_kv_heads_adds_pooled_oracle_and_mass_rules_only():
+    args = argparse.Namespace(scores="bound,mass,oracle", block_sizes="16", budget=128, per_kv_head=True,
+                              summary_tokens="", combine="sum", rest="none", pool_kv_heads=True)
+    assert [r.label for r in twin.parse_rules(args)] == [
+        "bound block 16", "bound block 16 per KV head", "mass block 16", "mass block 16 per KV head",
+        "mass block 16 per KV head, pooled", "oracle block 16", "oracle block 16 per KV head",
+        "oracle block 16 per KV head, pooled"]
