@@ -77,6 +77,22 @@ def test_stop_strings_and_max_tokens(smollm_llm):
     assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "length"
 
 
+def test_a_stop_token_ends_the_ids_but_not_the_text(smollm_llm, smollm_hf_tokenizer):
+    """vLLM's rule: the token that stopped the request is its last token id, and its text is left out unless
+    include_stop_str_in_output."""
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    free = smollm_llm.generate("1, 2, 3, 4, 5,", greedy, use_tqdm=False)[0].outputs[0]
+    at = next(i for i, t in enumerate(free.token_ids) if i > 0 and t not in free.token_ids[:i])
+    stop = free.token_ids[at]
+    for kept in (False, True):
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop],
+                                include_stop_str_in_output=kept)
+        out = smollm_llm.generate("1, 2, 3, 4, 5,", params, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == free.token_ids[:at + 1] and out.finish_reason == "stop"
+        shown = free.token_ids[:at + 1 if kept else at]
+        assert out.text == smollm_hf_tokenizer.decode(shown, skip_special_tokens=True)
+
+
 def test_seeded_sampling_is_reproducible_and_batch_independent(smollm_llm):
     p = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, max_tokens=16, seed=1234, ignore_eos=True)
     a = smollm_llm.generate(PROMPTS[0], p, use_tqdm=False)[0].outputs[0].token_ids

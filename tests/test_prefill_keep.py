@@ -81,7 +81,8 @@ def test_the_default_keep_is_max_model_len_where_prompts_can_be_chunked_within_a
     KVConfig(mode="quest", prefill_keep_tokens=0).validate(16, 2)  # none: nothing to refuse
     # a bench's flags for every mode: the keep stays with the host modes
     flags = KVConfig(mode="oasis", prefill_keep_tokens=4096)
-    assert flags.for_mode("dense").prefill_keep_tokens is None and flags.for_mode("retrieval").prefill_keep_tokens == 4096
+    assert flags.for_mode("dense").prefill_keep_tokens is None
+    assert flags.for_mode("retrieval").prefill_keep_tokens == 4096
 
 
 @pytest.mark.parametrize("mode,per,host_blocks", [("retrieval", "layer", None), ("oasis", "layer", None),

@@ -106,6 +106,23 @@ def test_the_stop_string_kept_in_the_text_streamed_or_not(served, http):
     assert events[-1]["choices"][0]["stop_reason"] == stop
 
 
+def test_a_stop_token_is_in_the_ids_not_the_text_streamed_or_not(served, http):
+    """vLLM's rule: the token that stopped the choice is left out of its text (unless include_stop_str_in_output);
+    stop_reason is that token."""
+    _, state, refs = served
+    ref = refs["completions"][1].outputs[0]  # "1, 2, 3, 4," greedily, 8 tokens
+    at = next(i for i, t in enumerate(ref.token_ids) if i > 0 and t not in ref.token_ids[:i])
+    stop = ref.token_ids[at]
+    for kept in (False, True):
+        body = {"prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0, "stop_token_ids": [stop],
+                "include_stop_str_in_output": kept}
+        want = state.tokenizer.decode(ref.token_ids[:at + 1 if kept else at])
+        whole = http.post("/v1/completions", json=body).json()["choices"][0]
+        assert whole["text"] == want and whole["finish_reason"] == "stop" and whole["stop_reason"] == stop
+        events = sse_events(http.post("/v1/completions", json={**body, "stream": True}))
+        assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == want
+
+
 def test_token_id_prompt_and_stop_string(served, client):
     _, state, refs = served
     ref = refs["completions"][0].outputs[0]
@@ -157,6 +174,14 @@ def test_logprobs_and_echo_match_a_plain_forward(served, http):
     assert lp["token_logprobs"][1:] == pytest.approx(expected, abs=2e-3)
     assert choice["text"] == state.tokenizer.decode(prompt + continuation) == "".join(lp["tokens"])
     assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+    # the prompt alone (max_tokens 0), streamed as SSE as well
+    body = {"prompt": echoed, "max_tokens": 0, "logprobs": 1, "echo": True}
+    whole = http.post("/v1/completions", json=body).json()
+    events = sse_events(http.post("/v1/completions", json={**body, "stream": True,
+                                                           "stream_options": {"include_usage": True}}))
+    assert len(events) == 2 and events[0]["choices"] == whole["choices"] and events[0]["object"] == "text_completion"
+    assert events[1]["choices"] == [] and events[1]["usage"] == whole["usage"]
+    assert whole["choices"][0]["text"] == state.tokenizer.decode(echoed)
 
 
 def test_n_choices_with_a_seed_are_reproducible(served, client):

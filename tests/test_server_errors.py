@@ -91,6 +91,12 @@ BAD_COMPLETIONS = [  # (name, body: dict, raw bytes, or a function of the server
     ("min_p above 1", {"prompt": "hi", "min_p": 1.5}, 400),
     ("best_of beyond n", {"prompt": "hi", "best_of": 3}, 400),
     ("guided_choice", {"prompt": "hi", "guided_choice": ["a", "b"]}, 400),
+    # echo's prompt logprobs ran the model on ids the engine had not checked (a 500; on a GPU a device assert)
+    ("echoed token id out of range", {"prompt": [99999, 5], "max_tokens": 1, "echo": True, "logprobs": 1}, 400),
+    ("echoed negative token id", {"prompt": [-3, 5], "max_tokens": 0, "echo": True, "logprobs": 1}, 400),
+    ("echo alone of a token id out of range", {"prompt": [99999, 5], "max_tokens": 0, "echo": True}, 400),
+    ("a lone surrogate", b'{"prompt": "hi \\ud800", "max_tokens": 2}', 400),
+    ("min_tokens above max_tokens", {"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, 400),
 ]
 BAD_CHATS = [
     ("empty messages", {"messages": []}, 400),
@@ -100,7 +106,11 @@ BAD_CHATS = [
     ("tools", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
     ("continuing the last message", {**CHAT, "add_generation_prompt": False, "continue_final_message": True}, 400),
     ("unknown model", {**CHAT, "model": "no-such-model"}, 404),
+    ("top_logprobs without logprobs", {**CHAT, "top_logprobs": 3}, 400),
 ]
+PARAMS = {"token id out of range": "prompt", "echoed token id out of range": "prompt", "a lone surrogate": "prompt",
+          "logit_bias beyond the vocabulary": "logit_bias", "min_tokens above max_tokens": "min_tokens",
+          "min_p above 1": "min_p", "seed beyond torch's range": "seed", "top_logprobs without logprobs": "top_logprobs"}
 
 
 async def post_raw(client, path: str, body, state) -> httpx.Response:
@@ -126,7 +136,12 @@ def test_bad_inputs_get_vllm_errors_while_a_stream_completes(served):
         error = r.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["code"] == status, name
         assert isinstance(error["message"], str) and len(error["message"]) > 5, name
+        assert error["param"] == PARAMS.get(name, error["param"]), (name, error)
     assert chunks == 12 and text
+    with httpx.Client(base_url=url, timeout=60) as client:
+        r = client.post("/tokenize", content=b'{"prompt": "hi \\ud800"}', headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        assert client.post("/v1/completions", json=GOOD).status_code == 200
 
 
 def test_disconnecting_clients_free_their_kv_and_others_finish(served):

@@ -384,10 +384,11 @@ class LLMEngine:
         req.kv_stats = self.policy.request_stats(req.request_id)
         self.sampler.forget(req.request_id)
         req.finish_time = now
-        if reason != "stop_string":
-            req.output_text = self.tokenizer.decode(req.output_token_ids)
-        else:
+        if reason == "stop_string":
             req.finish_reason = "stop"
+        else:  # as vLLM: the token that stopped it (EOS, a stop token) is in the ids, not in the text
+            hide_last = reason == "stop" and not req.params.include_stop_str_in_output
+            req.output_text = self.tokenizer.decode(req.output_token_ids[:-1] if hide_last else req.output_token_ids)
         return True
 
     def stop_reason(self, req: Request, token: int) -> str | None:

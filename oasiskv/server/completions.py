@@ -2,16 +2,17 @@
 prompt logprobs (what lm-eval's local-completions scores multiple choice with); streaming."""
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from oasiskv.server.generation import Choice, Submission
-from oasiskv.server.job import GenerationJob, check_context, sampling_params
+from oasiskv.server.job import GenerationJob, check_context, check_token_ids, encode_text, sampling_params
 from oasiskv.server.logprobs import CompletionLogprobs
-from oasiskv.server.protocol import APIError, CompletionRequest
+from oasiskv.server.protocol import APIError, CompletionRequest, sse
 
 
-def prompt_inputs(prompt, tokenizer) -> list[tuple[str | None, list[int]]]:
-    """(text or None, token ids) per prompt."""
+def prompt_inputs(prompt, tokenizer, vocab_size: int) -> list[tuple[str | None, list[int]]]:
+    """(text or None, token ids) per prompt; ids checked against the vocabulary before anything reads them (an
+    echo's prompt logprobs run the model on them before the engine sees the request)."""
     if isinstance(prompt, str):
         prompts = [prompt]
     elif prompt and all(isinstance(t, int) for t in prompt):
@@ -20,9 +21,11 @@ def prompt_inputs(prompt, tokenizer) -> list[tuple[str | None, list[int]]]:
         prompts = list(prompt)
     if not prompts:
         raise APIError("prompt must not be empty", param="prompt")
-    out = [(p, tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in prompts]
+    out = [(p, encode_text(tokenizer, p, "prompt")) if isinstance(p, str) else (None, list(p)) for p in prompts]
     if any(not ids for _, ids in out):
         raise APIError("prompt must not be empty", param="prompt")
+    for _, ids in out:
+        check_token_ids(ids, vocab_size, "prompt")
     return out
 
 
@@ -36,7 +39,7 @@ class CompletionJob(GenerationJob):
         if body.max_tokens == 0 and not body.echo:
             raise APIError("max_tokens must be at least 1 (0 is allowed only with echo)", param="max_tokens")
         self.n = body.n
-        self.prompts = prompt_inputs(body.prompt, state.tokenizer)
+        self.prompts = prompt_inputs(body.prompt, state.tokenizer, state.engine.model_config.vocab_size)
         self.num_prompt_tokens = sum(len(ids) for _, ids in self.prompts)
         for _, ids in self.prompts:
             max_tokens = state.max_model_len - len(ids) if body.max_tokens is None else body.max_tokens
@@ -78,6 +81,16 @@ class CompletionJob(GenerationJob):
                             for i, c in enumerate(choices)],
                 "usage": self.usage(sum(len(c.token_ids) for c in choices))}
 
+    def echo_events(self, payload: dict):
+        """The answer of an echo with max_tokens 0, streamed: its choices in one chunk, the usage chunk if asked."""
+        options, chunk = self.body.stream_options, self.chunk(payload["choices"])
+        if options and options.continuous_usage_stats:
+            chunk["usage"] = payload["usage"]
+        yield sse(chunk)
+        if options and options.include_usage:
+            yield sse(self.chunk([], payload["usage"]))
+        yield "data: [DONE]\n\n"
+
     async def chunks(self):
         started = set()
         async for d in self.deltas():
@@ -91,5 +104,8 @@ async def create_completion(body: CompletionRequest, state, request) -> Response
     job = CompletionJob(body, state)
     await job.start()
     if job.sub is None:  # echo with max_tokens 0: the prompt is the whole answer
-        return JSONResponse(job.response([Choice(finish_reason="length") for _ in job.params]))
+        payload = job.response([Choice(finish_reason="length") for _ in job.params])
+        if body.stream:
+            return StreamingResponse(job.echo_events(payload), media_type="text/event-stream")
+        return JSONResponse(payload)
     return await job.respond(request)

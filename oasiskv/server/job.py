@@ -26,7 +26,33 @@ def sampling_params(body: SamplingFields, max_tokens: int, choice: int) -> Sampl
             min_tokens=body.min_tokens, min_p=body.min_p, logit_bias=body.logit_bias or None,
             include_stop_str_in_output=body.include_stop_str_in_output)
     except ValueError as e:
-        raise APIError(str(e)) from e
+        raise APIError(str(e), param=field_named(str(e))) from e
+
+
+def field_named(message: str) -> str | None:
+    """The request field a SamplingParams error names first (its messages start with or quote the field)."""
+    found = [(at, name) for name in SAMPLING_FIELDS if (at := message.find(name)) >= 0]
+    return min(found, key=lambda f: (f[0], -len(f[1])))[1] if found else None  # stop_token_ids before stop
+
+
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop", "min_tokens",
+                   "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise APIError(f"token ids out of range [0, {vocab_size}): {bad[:5]}", param=param)
+
+
+def encode_text(tokenizer, text: str, param: str, **kwargs) -> list[int]:
+    """Token ids of a request's text; a string JSON can carry but UTF-8 cannot (a lone surrogate escape such as
+    \\ud800) is the client's error, not the tokenizer's."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(f"{param} is not valid Unicode: {e.reason} at character {e.start}", param=param) from None
+    return list(tokenizer.encode(text, **kwargs))
 
 
 def check_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
@@ -56,6 +82,9 @@ class GenerationJob:
         if state.disagg is not None and state.disagg.name == "prefill" and body.stream and body.kv_transfer_params:
             raise APIError("a prefill for remote decode cannot stream: its kv_transfer_params come in the JSON "
                            "response", param="stream")
+        if body.logit_bias:
+            check_token_ids([int(t) for t in body.logit_bias if t.isdigit()], state.engine.model_config.vocab_size,
+                            "logit_bias")
         self.body, self.state = body, state
         self.id, self.created = new_id(self.id_prefix), now()
         self.params: list[SamplingParams] = []

@@ -7,7 +7,7 @@ import uuid
 from typing import Literal, Union
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from oasiskv.sampling_params import MAX_LOGPROBS
 
@@ -130,6 +130,13 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def top_logprobs_need_logprobs(cls, value, info):
+        if value is not None and not info.data.get("logprobs"):  # vLLM's rule and message
+            raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
+        return value
 
 
 class TokenizeRequest(BaseModel):
