@@ -68,8 +68,8 @@ def split_kwargs(kwargs: dict) -> EngineConfig:
     nested = {name: {} for name in sections}
     top = {}
     engine_fields = {f.name for f in dataclasses.fields(EngineConfig)} - set(sections)
-    for key, value in kwargs.items():
-        key = {"kv_mode": "mode", "kv_budget": "budget"}.get(key, key)
+    for name, value in kwargs.items():
+        key = {"kv_mode": "mode", "kv_budget": "budget"}.get(name, name)
         owner = next((n for n, c in sections.items() if key in {f.name for f in dataclasses.fields(c)}), None)
         if owner:
             nested[owner][key] = value
@@ -77,6 +77,9 @@ def split_kwargs(kwargs: dict) -> EngineConfig:
             top[key] = value
         else:
             raise TypeError(f"unknown engine argument {key!r}")
+        field_type = next(f.type for f in dataclasses.fields(sections.get(owner, EngineConfig)) if f.name == key)
+        if isinstance(value, str) and "str" not in str(field_type):  # "256" for 256 fails far from here
+            raise TypeError(f"engine argument {name} takes {field_type}, got the string {value!r}")
     return EngineConfig(**top, **{n: sections[n](**v) for n, v in nested.items()})
 
 

@@ -92,7 +92,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--draft-model", default=KV_DEFAULTS.draft_model,
                    help="EAGLE-3 head directory (eagle3, ngram+eagle3, target+eagle3)")
     o.add_argument("--miss-policy", default=KV_DEFAULTS.miss_policy, choices=MISS_POLICIES,
-                   help="selected blocks that were not prefetched: skip them, or fetch them synchronously")
+                   help="selected blocks that were not prefetched: skip them, fetch them synchronously, or fill their "
+                        "places with x_t's best resident blocks outside its selection")
     o.add_argument("--speculative-config", default=None,
                    help='vLLM-style alias: \'{"method": "eagle3", "model": DIR}\' = --draft eagle3 --draft-model DIR')
 
@@ -241,9 +242,33 @@ def cmd_chat(args) -> None:
         if not line:
             break
         messages.append({"role": "user", "content": line})
-        reply = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+        reply = chat_turn(llm, messages, params, first=1 if args.system else 0)
+        if reply is None:
+            messages.pop()
+            continue
         messages.append({"role": "assistant", "content": reply})
         print(f"model> {reply}")
+
+
+def chat_turn(llm, messages: list[dict], params, first: int) -> str | None:
+    """The model's reply to the conversation. Where it no longer fits --max-model-len, the oldest exchanges after
+    messages[:first] (the system prompt) go, with a note; a message that cannot fit even so is refused (None)."""
+    limit = llm.engine.max_model_len
+
+    def fits(conversation: list[dict]) -> bool:
+        return len(llm.tokenizer.apply_chat_template(conversation)) < limit
+
+    try:
+        if not fits(messages[:first] + messages[-1:]):
+            print(f"error: this message does not fit --max-model-len {limit}; it is left out", file=sys.stderr)
+            return None
+        while not fits(messages):
+            del messages[first:first + 2]
+            print("(the conversation outgrew --max-model-len: its oldest exchange is dropped)", file=sys.stderr)
+        return llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
 
 
 def cmd_eval(args) -> None:

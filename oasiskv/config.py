@@ -94,6 +94,8 @@ class CacheConfig:
                             ("cpu_kv_cache_gb", self.cpu_kv_cache_gb)):
             if value is not None and not value > 0:
                 raise ValueError(f"{flag} must be above 0, got {value}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"a KV pool needs at least one block, got --num-kv-blocks {self.num_kv_blocks}")
 
 
 KV_MODES = ("dense", "quest", "retrieval", "oasis", "oracle")  # oracle: eval only
@@ -155,6 +157,10 @@ class KVConfig:
     def validate(self, block_size: int, num_layers: int) -> None:
         if self.mode not in KV_MODES:
             raise ValueError(f"--kv-mode must be one of {', '.join(KV_MODES)}, got {self.mode!r}")
+        if self.dense_layers < 0:
+            raise ValueError(f"--dense-layers must be at least 0, got {self.dense_layers}")
+        if self.host_kv_gb is not None and not self.host_kv_gb > 0:
+            raise ValueError(f"--host-kv-gb must be above 0, got {self.host_kv_gb}")
         if self.budget % block_size or self.budget < block_size:
             raise ValueError(f"--kv-budget must be a positive multiple of the block size {block_size}, "
                              f"got {self.budget}")

@@ -67,6 +67,8 @@ class SamplingParams:
             if not isinstance(self.stop, (list, tuple)) or not all(isinstance(x, str) for x in self.stop):
                 raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
             object.__setattr__(self, "stop", tuple(self.stop))
+        if self.stop is not None and "" in self.stop:  # it would match before the first token (vLLM refuses it too)
+            raise ValueError("stop cannot contain an empty string")
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, (list, tuple)) or not all(map(is_integer, self.stop_token_ids)):
                 raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
@@ -101,10 +103,10 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be in (0, 1e4], got {self.repetition_penalty}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         for name in ("logprobs", "prompt_logprobs"):

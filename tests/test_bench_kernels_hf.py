@@ -73,3 +73,22 @@ def test_hf_reference_generates_the_workload(tmp_path):
 def test_hf_reference_needs_a_batch_on_the_cpu(tmp_path):
     with pytest.raises(SystemExit, match="give --batch on the CPU"):
         main(["bench", "hf-reference", "--model", "qwen3-0.6b", "--device", "cpu"])
+
+
+def test_hf_reference_refuses_weights_that_do_not_fit(tmp_path, monkeypatch):
+    """The weights' bytes (parameters counted on the meta device) against the free memory, before any allocation:
+    on the CPU the kernel would kill the process without a word."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from oasiskv.models.loader import read_hf_config, resolve_source
+
+    model = write_tiny_config(tmp_path / "tiny", "qwen3")
+    cfg = AutoConfig.for_model(**read_hf_config(*resolve_source(str(model))))
+    weights = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters()) * 4  # fp32
+    args = ["bench", "hf-reference", "--model", str(model), "--device", "cpu", "--dtype", "float32", "--input-len",
+            "48", "--output-len", "4", "--batch", "1", "--json", str(tmp_path / "hf.json")]
+    monkeypatch.setattr("oasiskv.bench.hf_reference.spare_host_bytes", lambda reserve_gb: weights - 1)
+    with pytest.raises(SystemExit, match=r"weights take .* GiB in float32; this cpu has .* free"):
+        main(args)
+    monkeypatch.setattr("oasiskv.bench.hf_reference.spare_host_bytes", lambda reserve_gb: weights)
+    main(args)  # exactly enough

@@ -76,6 +76,23 @@ def test_stop_strings_and_max_tokens(smollm_llm):
                               use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 5 and out.outputs[0].finish_reason == "length"
 
+    with pytest.raises(ValueError, match="empty string"):
+        SamplingParams(stop=["x", ""])
+
+
+def test_a_stop_string_within_min_tokens_does_not_stop(smollm_llm, smollm_hf_tokenizer):
+    """vLLM's rule: only a stop string that ends after the first min_tokens tokens' text stops the request."""
+    prompt = "The capital of France is"
+    free = smollm_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                               use_tqdm=False)[0].outputs[0]
+    text = smollm_hf_tokenizer.decode(free.token_ids, skip_special_tokens=True)
+    early = smollm_hf_tokenizer.decode(free.token_ids[:4], skip_special_tokens=True)
+    cut = min(i for s in (".", ":") if (i := text.find(s, len(early))) > 0)  # the first stop after them
+    assert "." in early  # and a "." within the first 4 tokens, which must not stop it
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[".", ":"], min_tokens=4)
+    out = smollm_llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text == text[:cut]
+
 
 def test_a_stop_token_ends_the_ids_but_not_the_text(smollm_llm, smollm_hf_tokenizer):
     """vLLM's rule: the token that stopped the request is its last token id, and its text is left out unless

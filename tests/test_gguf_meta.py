@@ -171,3 +171,15 @@ def test_an_index_that_does_not_fit_the_file_is_built_again(gguf, cache_dir, rea
     with open(stored) as f:
         assert json.load(f) == good
     assert gguf_meta.tensor_index(*gguf) == good and len(opened) == 4  # read back
+
+
+def test_a_cut_file_is_refused_as_such(gguf, cache_dir, tmp_path):
+    """The first 3 MB of the model: gguf's own error names a numpy reshape; ours names the file and the likely cause,
+    for the config and for the tensor index alike."""
+    cut = tmp_path / "cut.gguf"
+    with open(gguf[0], "rb") as f:
+        cut.write_bytes(f.read(3_000_000))
+    stat = os.stat(cut)
+    for read in (gguf_meta.config, gguf_meta.tensor_index):
+        with pytest.raises(ValueError, match=r"cut.gguf \(3,000,000 bytes\) is not a readable GGUF file: truncated"):
+            read(str(cut), stat.st_mtime_ns, stat.st_size)

@@ -19,6 +19,7 @@ from oasiskv.bench.report import print_table, sig, write_json
 from oasiskv.bench.workload import random_prompts
 from oasiskv.config import BenchConfig, CacheConfig
 from oasiskv.engine.engine import pick_device, pick_dtype
+from oasiskv.kv.host_store import spare_host_bytes
 from oasiskv.models.loader import read_hf_config, resolve_source
 
 GiB = 1 << 30
@@ -43,10 +44,25 @@ def build_model(model: str, device: torch.device, dtype: torch.dtype, seed: int)
 
     hf = read_hf_config(*resolve_source(model))
     cfg = AutoConfig.for_model(**hf)
+    check_room(model, cfg, device, dtype)
     torch.manual_seed(seed)
     with torch.device(device):
         net = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     return net.eval(), cfg
+
+
+def check_room(model: str, cfg, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuses a model whose weights alone do not fit the device's free memory (the kernel would kill the process
+    without a word on the CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        weights = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters()) * dtype.itemsize
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else spare_host_bytes(reserve_gb=1.0)
+    if weights > free:
+        raise SystemExit(f"error: {model}'s weights take {weights / GiB:.1f} GiB in {str(dtype).removeprefix('torch.')}"
+                         f"; this {device.type} has {free / GiB:.1f} GiB free. Pick a smaller --model "
+                         "(e.g. qwen3-0.6b) or another device")
 
 
 def kv_bytes_per_request(cfg, tokens: int, dtype: torch.dtype) -> int:

@@ -18,7 +18,7 @@ import time
 import torch
 
 from oasiskv.bench.workload import exposed_wait, graph_replays, kv_bytes_read, kv_deltas
-from oasiskv.config import BenchConfig, EngineConfig, SamplingParams
+from oasiskv.config import BenchConfig, EngineConfig, ModelConfig, SamplingParams
 
 HBM_GBPS = 4200.0
 
@@ -36,7 +36,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hbm-gbps", type=float, default=d.hbm_gbps,
                    help="memory bandwidth of the roofline (default: a device-to-device copy measured now; "
                         f"single-mode runs: {HBM_GBPS:.0f})")
-    g.add_argument("--out", default="results/bench_throughput.json", help="single-mode JSON")
+    g.add_argument("--out", default="results/bench_throughput.json",
+                   help="single-mode JSON (default: %(default)s, under the current directory)")
     m = p.add_argument_group("every mode side by side (vllm bench throughput's numbers)")
     m.add_argument("--modes", default=None, help="comma-separated KV modes, e.g. dense,quest,retrieval,oasis: each "
                                                   "runs at the largest concurrency it holds")
@@ -66,6 +67,8 @@ def run_from_args(args: argparse.Namespace, config: EngineConfig):
     if args.input_len < 1 or args.output_len < 1:
         raise SystemExit(f"error: --input-len and --output-len must be at least 1, got {args.input_len} and "
                          f"{args.output_len}")
+    if not (args.modes or args.sweep_concurrency or args.sweep_fetch_cap):
+        batch_sizes(args.batch_sizes)  # a bad value fails before the weights load
     if args.sweep_concurrency and args.sweep_fetch_cap:
         raise SystemExit("error: run --sweep-concurrency and --sweep-fetch-cap in separate invocations")
     if args.sweep_concurrency:
@@ -77,18 +80,39 @@ def run_from_args(args: argparse.Namespace, config: EngineConfig):
     return run_single_mode(args, config)
 
 
+def batch_sizes(text: str) -> list[int | str]:
+    """--batch-sizes "1,8,max" -> [1, 8, "max"]."""
+    try:
+        sizes = [b if b == "max" else int(b) for b in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"error: --batch-sizes takes comma-separated counts or 'max', got {text!r}") from None
+    if any(b != "max" and b < 1 for b in sizes):
+        raise SystemExit(f"error: --batch-sizes must be at least 1, got {text!r}")
+    return sizes
+
+
 def run_single_mode(args: argparse.Namespace, config: EngineConfig) -> list[dict]:
     from oasiskv.engine.engine import LLMEngine
+    from oasiskv.models.loader import read_hf_config, resolve_source
 
     sched = config.scheduler
+    context = sched.max_model_len or ModelConfig.from_hf(read_hf_config(*resolve_source(config.model))) \
+        .max_position_embeddings
+    if args.input_len + args.output_len > context:
+        raise SystemExit(f"error: --input-len + --output-len ({args.input_len + args.output_len}) is longer than the "
+                         f"model's {context} tokens")
+    # room for the decode tail each request grows while the others prefill, within the model's context
     config = config.replace(scheduler=dataclasses.replace(
         sched, max_num_seqs=max(sched.max_num_seqs, 1024),
-        max_model_len=sched.max_model_len or args.input_len + args.output_len + 4096))
-    engine = LLMEngine(config)
+        max_model_len=sched.max_model_len or min(args.input_len + args.output_len + 4096, context)))
+    try:
+        engine = LLMEngine(config)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     fit = 1
     for _ in range(3):  # the decode tail each request grows while the others prefill depends on the batch
         fit = engine.max_concurrency(request_tokens(engine, fit, args.input_len, args.output_len, args.warmup_steps))
-    batches = [fit if b == "max" else int(b) for b in args.batch_sizes.split(",")]
+    batches = [fit if b == "max" else b for b in batch_sizes(args.batch_sizes)]
     rows = [bench_one(engine, b, args.input_len, args.output_len, args.hbm_gbps or HBM_GBPS, args.warmup_steps)
             for b in batches]
     print_table(rows, engine)

@@ -51,7 +51,15 @@ class EngineStats:
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device must be auto, cpu or cuda[:N], got {name!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: no CUDA GPU is available here (torch {torch.__version__}); use cpu or auto")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be auto, cpu or cuda[:N], got {name!r}")
+    return device
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -76,6 +84,9 @@ class LLMEngine:
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_source = loaded.source
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
+        if self.max_model_len > self.model_config.max_position_embeddings:  # vLLM refuses it too
+            raise ValueError(f"--max-model-len {self.max_model_len} is longer than the model's context of "
+                             f"{self.model_config.max_position_embeddings} tokens (its max_position_embeddings)")
         self.block_size = config.cache.block_size
         kv_model_config, cache_cfg, kv_cfg = self.model_config, config.cache, config.kv
         if self.tp:
@@ -409,7 +420,9 @@ class LLMEngine:
             return "stop"
         if p.stop:
             text = self.tokenizer.decode(req.output_token_ids)
-            found = [(i, s) for s in p.stop if (i := text.find(s)) >= 0]
+            # as vLLM: a stop string must end after the first min_tokens tokens' text
+            start = len(self.tokenizer.decode(req.output_token_ids[:p.min_tokens])) if p.min_tokens else 0
+            found = [(i, s) for s in p.stop if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
             if found:
                 cut, stop = min(found, key=lambda f: f[0])  # the earliest; at a tie, the first in the list
                 req.output_text = text[:cut + (len(stop) if p.include_stop_str_in_output else 0)]

@@ -37,9 +37,18 @@ def config(path: str, mtime_ns: int, size: int) -> dict:
         return cfg
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    cfg = load_gguf_checkpoint(path, return_tensors=False)["config"]
+    try:
+        cfg = load_gguf_checkpoint(path, return_tensors=False)["config"]
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        raise unreadable(path, size, e) from e
     write_json(entry, "config.json", cfg)
     return cfg
+
+
+def unreadable(path: str, size: int, error: Exception) -> ValueError:
+    """gguf's own errors on a cut or damaged file name a numpy reshape; say what the user can act on."""
+    return ValueError(f"{path} ({size:,} bytes) is not a readable GGUF file: truncated or corrupt? Copy or "
+                      f"install it again ({type(error).__name__}: {error})")
 
 
 def tensor_index(path: str, mtime_ns: int, size: int) -> dict:
@@ -55,7 +64,10 @@ def tensor_index(path: str, mtime_ns: int, size: int) -> dict:
         pass  # not an index of this file: parse it again
     import gguf
 
-    reader = gguf.GGUFReader(path)
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        raise unreadable(path, size, e) from e
     index = {"arch": str(reader.fields["general.architecture"].contents()),
              "tensors": [[t.name, int(t.tensor_type), int(t.data_offset), int(t.n_bytes), t.data.dtype.str,
                           list(t.data.shape)] for t in reader.tensors]}

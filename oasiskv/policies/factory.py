@@ -80,9 +80,13 @@ def build_retrieval(model_cfg, cache, kv, gpu_kv_blocks, max_model_len, max_num_
     keep_tokens = keep_blocks * bs
     rows = min(max_num_seqs, (gpu_kv_blocks - summary_blocks - keep_blocks) // width)
     if rows < 1:
-        raise ValueError(f"the GPU has room for {gpu_kv_blocks} KV blocks: not enough for the summaries of "
+        where = "the GPU" if device.type == "cuda" else "the KV pool"
+        beyond = f" (--kv-budget {kv.budget} is beyond --max-model-len {max_model_len})" \
+            if kv.budget > max_model_len else ""
+        raise ValueError(f"{where} has room for {gpu_kv_blocks} KV blocks: not enough for the summaries of "
                          f"{host_blocks} host blocks, {keep_blocks} blocks of prefill keep (--prefill-keep-tokens "
-                         f"{keep_tokens}) plus one working set of {width} blocks")
+                         f"{keep_tokens}) plus one working set of {width} blocks{beyond}; lower --kv-budget or "
+                         "--working-set, or give the KV more memory (--kv-cache-gb, --gpu-memory-gb)")
     pool = KVPool(model_cfg, rows * width, bs, dtype, device)
     host = HostStore(model_cfg, store_blocks or host_blocks, bs, dtype, pin=device.type == "cuda")
     ws = WorkingSet(model_cfg.num_layers, rows, width, -(-max_model_len // bs) + 1, device)

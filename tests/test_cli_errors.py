@@ -1,0 +1,54 @@
+"""Flags (and LLM keyword arguments) a user can get wrong end in one clear error, not a traceback (flags checked
+before the weights load do not wait for them)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from oasiskv.cli import main
+
+GENERATE = ["generate", "--prompt", "hi", "--max-tokens", "2"]
+CASES = [
+    (GENERATE + ["--num-kv-blocks", "-4"], "at least one block, got --num-kv-blocks -4"),
+    (GENERATE + ["--device", "banana"], "--device must be auto, cpu or cuda"),
+    (GENERATE + ["--kv-mode", "quest", "--kv-budget", "256", "--dense-layers", "-1"],
+     "--dense-layers must be at least 0"),
+    (GENERATE + ["--kv-mode", "retrieval", "--host-kv-gb", "-1"], "--host-kv-gb must be above 0"),
+    (["generate", "--prompt", "hi", "--max-tokens", "-3"], "max_tokens must be >= 1, got -3"),
+    (GENERATE + ["--stop", ""], "empty string"),
+    (GENERATE + ["--max-model-len", "100000"], "--max-model-len 100000 is longer than the model's context of 8192"),
+    (GENERATE + ["--kv-mode", "retrieval", "--kv-budget", "100000"],
+     r"has room for \d+ KV blocks: .*\(--kv-budget 100000 is beyond --max-model-len 8192\); lower --kv-budget"),
+    (["bench", "throughput", "--batch-sizes", "a,b"], "--batch-sizes takes comma-separated counts"),
+    (["bench", "throughput", "--batch-sizes", "0"], "--batch-sizes must be at least 1"),
+    (["bench", "throughput", "--input-len", "100000", "--output-len", "2", "--batch-sizes", "1"],
+     r"--input-len \+ --output-len \(100002\) is longer than the model's 8192 tokens"),
+]
+if not torch.cuda.is_available():
+    CASES.append((GENERATE + ["--device", "cuda"], "no CUDA GPU is available here"))
+
+
+@pytest.mark.parametrize("argv, message", CASES, ids=[" ".join(a[2:] if a[0] == "generate" else a[1:])
+                                                      for a, _ in CASES])
+def test_a_bad_flag_is_one_error_line(argv, message):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert str(e.value).startswith("error: ")
+    assert re.search(message, str(e.value)), str(e.value)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"kv_mode": "quest", "kv_budget": "256"}, "kv_budget takes int, got the string '256'"),
+    ({"max_model_len": "256"}, "max_model_len takes int | None"),
+    ({"no_such_flag": 1}, "unknown engine argument 'no_such_flag'"),
+])
+def test_llm_keyword_arguments_of_the_wrong_kind_are_named(kwargs, message):
+    """LLM(**kwargs) sorts flat vLLM-style arguments into the configs; a string where a number belongs failed far
+    away (`'<' not supported ...`)."""
+    from oasiskv.api import split_kwargs
+
+    with pytest.raises(TypeError, match=re.escape(message)):
+        split_kwargs(kwargs)
+    assert split_kwargs({"kv_mode": "quest", "kv_budget": 256, "model": "m"}).kv.budget == 256
