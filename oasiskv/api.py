@@ -9,8 +9,8 @@ from typing import Sequence
 from pydantic import ValidationError
 from tqdm.auto import tqdm
 
-from oasiskv.config import CacheConfig, EngineConfig, KVConfig, SchedulerConfig
-from oasiskv.sampling_params import SamplingParams, is_integer
+from oasiskv.config import CacheConfig, EngineConfig, KVConfig, SchedulerConfig, draft_of_speculative_config
+from oasiskv.sampling_params import MAX_LOGPROBS, SamplingParams, is_integer
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.engine.logprobs import LogprobSampler, TokenLogprob, prompt_logprobs
 from oasiskv.engine.request import Request
@@ -35,6 +35,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[dict[int, Logprob]] | None = None  # SamplingParams.logprobs: per token, it and the top k
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it; None for EOS
+    cumulative_logprob: float | None = None  # the sampled tokens' logprobs summed (with SamplingParams.logprobs)
 
 
 @dataclass
@@ -51,8 +53,8 @@ class RequestOutput:
     def from_requests(cls, reqs: list[Request]) -> "RequestOutput":
         """One prompt's choices (n of them); the request id and metrics are the first choice's."""
         req = reqs[0]
-        completions = [CompletionOutput(i, r.output_text, list(r.output_token_ids), r.finish_reason)
-                       for i, r in enumerate(reqs)]
+        completions = [CompletionOutput(i, r.output_text, list(r.output_token_ids), r.finish_reason,
+                                        stop_reason=r.stop_reason) for i, r in enumerate(reqs)]
         metrics = {"num_preemptions": req.num_preemptions, **req.kv_stats}
         if req.first_token_time is not None:
             metrics["ttft_s"] = req.first_token_time - req.arrival_time
@@ -62,13 +64,45 @@ class RequestOutput:
                    all(r.finished for r in reqs), metrics)
 
 
+ANY = object()
+# vLLM's LLM(...) arguments with no counterpart here, and the values that change nothing here (ANY: every value).
+# Another value is refused, naming the argument, rather than ignored: the user would get what they did not ask for.
+VLLM_ONLY_ARGUMENTS = {
+    "trust_remote_code": ANY,  # no model code is loaded from a checkpoint here
+    "disable_log_stats": ANY, "download_dir": ANY,  # (nothing is downloaded)
+    "swap_space": ANY,  # a preempted request is recomputed, never swapped
+    "enable_chunked_prefill": (None, True),  # prefill is always chunked (--max-num-batched-tokens)
+    "enable_prefix_caching": (None, False), "quantization": (None,), "kv_cache_dtype": ("auto",),
+    "cpu_offload_gb": (0,), "revision": (None,), "tokenizer_revision": (None,), "task": ("auto", "generate"),
+}
+
+
+def without_vllm_only(kwargs: dict) -> dict:
+    """kwargs less VLLM_ONLY_ARGUMENTS at values that change nothing; max_logprobs within this engine's cap, and
+    speculative_config as --draft / --draft-model."""
+    out = {}
+    for key, value in kwargs.items():
+        allowed = VLLM_ONLY_ARGUMENTS.get(key)
+        if key == "max_logprobs":
+            if not (is_integer(value) and 0 <= value <= MAX_LOGPROBS):
+                raise TypeError(f"max_logprobs: this engine returns at most {MAX_LOGPROBS} logprobs, got {value!r}")
+        elif key == "speculative_config":
+            if value is not None:
+                out["draft"], out["draft_model"] = draft_of_speculative_config(value)
+        elif allowed is None:
+            out[key] = value
+        elif allowed is not ANY and value not in allowed:
+            raise TypeError(f"{key}={value!r} is not supported by this engine (it takes {allowed!r} only)")
+    return out
+
+
 def split_kwargs(kwargs: dict) -> EngineConfig:
     """Accepts flat vLLM-style keyword arguments and sorts them into the config chain."""
     sections = {"cache": CacheConfig, "scheduler": SchedulerConfig, "kv": KVConfig}
     nested = {name: {} for name in sections}
     top = {}
     engine_fields = {f.name for f in dataclasses.fields(EngineConfig)} - set(sections)
-    for name, value in kwargs.items():
+    for name, value in without_vllm_only(kwargs).items():
         key = {"kv_mode": "mode", "kv_budget": "budget"}.get(name, name)
         owner = next((n for n, c in sections.items() if key in {f.name for f in dataclasses.fields(c)}), None)
         if owner:
@@ -100,6 +134,16 @@ def chat_messages(conv, index: int) -> list[dict]:
     return out
 
 
+def prompt_of(prompt, index: int):
+    """vLLM's prompt dicts ({"prompt": text}, {"prompt_token_ids": ids}) as text or ids; others as they are."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if set(prompt) == {"prompt"} or set(prompt) == {"prompt_token_ids"}:
+        return next(iter(prompt.values()))
+    raise ValueError(f"prompt {index}: a dict prompt holds 'prompt' (text) or 'prompt_token_ids' alone; this engine "
+                     f"takes no other fields, got {sorted(prompt)}")
+
+
 class LLM:
     def __init__(self, model: str | None = None, **kwargs):
         self.engine = LLMEngine(split_kwargs({"model": model, **kwargs}))
@@ -114,13 +158,29 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
+    @property
+    def llm_engine(self) -> LLMEngine:  # vLLM's name
+        return self.engine
+
+    def get_tokenizer(self):
+        """vLLM's: the transformers tokenizer (apply_chat_template(..., tokenize=False), __call__, decode(...));
+        a random-weight model's byte tokenizer where it has none."""
+        return getattr(self.engine.tokenizer, "hf", self.engine.tokenizer)
+
+    def generate(self, prompts: str | dict | Sequence[str | dict] | Sequence[list[int]],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None, priority=None) -> list[RequestOutput]:
+        """prompts as vLLM takes them: text, token ids, {"prompt": text} or {"prompt_token_ids": ids}, or a list."""
+        priorities = priority if isinstance(priority, (list, tuple)) else [priority]
+        if lora_request is not None or any(p not in (None, 0) for p in priorities):
+            raise ValueError("lora_request and priority are not supported by this engine; leave them unset")
         if hasattr(prompts, "tolist"):  # a tensor or an array: one prompt of ids, or a batch of them
             prompts = prompts.tolist()
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and is_integer(prompts[0])):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts and
+                                                is_integer(prompts[0])):
             prompts = [prompts]
+        if isinstance(prompts, (list, tuple)):
+            prompts = [prompt_of(p, i) for i, p in enumerate(prompts)]
         if not isinstance(prompts, (list, tuple)):
             raise ValueError("prompts: a string, a list of token ids, or a list of either; got "
                              f"{type(prompts).__name__}")
@@ -150,13 +210,20 @@ class LLM:
         return outputs
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, lora_request=None, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's: chat_template replaces the model's; chat_template_kwargs reach the template (e.g. Qwen3's
+        enable_thinking)."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError(f"messages: a list of {{'role', 'content'}} dicts, or a list of such lists; got "
                              f"{reprlib.repr(messages)}")
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(chat_messages(conv, i)) for i, conv in enumerate(conversations)]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        options = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                       continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+        prompts = [self.tokenizer.apply_chat_template(chat_messages(conv, i), **options)
+                   for i, conv in enumerate(conversations)]
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(self, groups: list[list[str]], use_tqdm: bool) -> list[RequestOutput]:
         ids = [rid for g in groups for rid in g]
@@ -187,7 +254,9 @@ class LLM:
         if sp.logprobs is not None:
             sampler = self._logprob_sampler()
             for choice, rid in zip(out.outputs, group):
-                choice.logprobs = [self._logprob_dict(lp) for lp in sampler.take(rid)]
+                taken = sampler.take(rid)
+                choice.logprobs = [self._logprob_dict(lp) for lp in taken]
+                choice.cumulative_logprob = sum(lp.logprob for lp in taken)
                 sampler.drop(rid)
         if sp.prompt_logprobs is not None:
             found = prompt_logprobs(self.engine.model, out.prompt_token_ids, sp.prompt_logprobs, self.engine.device)

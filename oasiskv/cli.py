@@ -7,7 +7,7 @@ import sys
 
 from oasiskv.config import (BLOCK_SCORES, DRAFTS, KV_MODES, KV_TRANSFERS, MISS_POLICIES, ROLES, SCHEDULE_POLICIES,
                             SELECT_PER, CacheConfig, DisaggConfig, EngineConfig, KVConfig, SamplingParams,
-                            SchedulerConfig)
+                            SchedulerConfig, draft_of_speculative_config)
 
 ENGINE_DEFAULTS, CACHE_DEFAULTS, SCHED_DEFAULTS, KV_DEFAULTS = (EngineConfig(), CacheConfig(), SchedulerConfig(),
                                                                 KVConfig())
@@ -113,14 +113,11 @@ def draft_args(args: argparse.Namespace) -> tuple[str, str | None]:
     if not args.speculative_config:
         return args.draft, args.draft_model
     try:
-        spec = json.loads(args.speculative_config)
+        return draft_of_speculative_config(json.loads(args.speculative_config))
     except json.JSONDecodeError as e:
         raise SystemExit(f"error: --speculative-config is not valid JSON: {e}")
-    if not isinstance(spec, dict) or spec.get("method") not in ("eagle3", "ngram") or \
-            (spec["method"] == "eagle3" and not spec.get("model")):
-        raise SystemExit('error: --speculative-config must look like {"method": "eagle3", "model": "DIR"} '
-                         'or {"method": "ngram"}')
-    return spec["method"], spec.get("model")
+    except ValueError as e:
+        raise SystemExit(f"error: --{e}")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

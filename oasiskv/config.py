@@ -405,3 +405,13 @@ class BenchConfig:
     kernel_host_gib: float = 4.0  # pinned host store the gather reads from
     kernel_chunks: int = 2048  # (layer, block) chunks gathered in one launch
     kernel_rep_ms: int = 200  # triton do_bench repetition time
+
+
+def draft_of_speculative_config(spec) -> tuple[str, str | None]:
+    """vLLM's speculative_config ({"method": "eagle3", "model": DIR} or {"method": "ngram"}) as (draft, draft model):
+    the draft predicts the next step's blocks here."""
+    if not isinstance(spec, dict) or spec.get("method") not in ("eagle3", "ngram") or \
+            (spec["method"] == "eagle3" and not spec.get("model")):
+        raise ValueError('speculative_config must look like {"method": "eagle3", "model": "DIR"} or '
+                         f'{{"method": "ngram"}}, got {spec!r}')
+    return spec["method"], spec.get("model")

@@ -31,11 +31,12 @@ def bias_pairs(bias) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SamplingParams:
-    """Per-request sampling, shaped like vLLM's."""
+    """Per-request sampling, shaped like vLLM's. Keywords only: vLLM's first field is n, ours was max_tokens, so a
+    positional SamplingParams(4) would silently mean another thing."""
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: up to --max-model-len (the engine fills it in)
     n: int = 1  # completions per prompt (LLM.generate): choice i is seeded seed + i, as the server does
     temperature: float = 1.0
     top_p: float = 1.0
@@ -61,6 +62,13 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     def __post_init__(self):
+        # vLLM's spellings: top_k 0 is off as -1 is, seed -1 is no seed, logprobs True is the sampled token's and 1
+        if self.top_k == 0 and not isinstance(self.top_k, bool):
+            object.__setattr__(self, "top_k", -1)
+        if self.seed == -1 and not isinstance(self.seed, bool):
+            object.__setattr__(self, "seed", None)
+        if self.logprobs is True:
+            object.__setattr__(self, "logprobs", 1)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif self.stop is not None:
@@ -83,7 +91,7 @@ class SamplingParams:
 
     def validate(self) -> None:
         for name in ("max_tokens", "n", "top_k", "min_tokens"):
-            if not is_integer(getattr(self, name)):
+            if not is_integer(getattr(self, name)) and not (name == "max_tokens" and self.max_tokens is None):
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
         for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
             if not isinstance(getattr(self, name), numbers.Real) or isinstance(getattr(self, name), bool):
@@ -103,9 +111,9 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be in (0, 1e4], got {self.repetition_penalty}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens < 1:
+        if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
+        if not 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens):
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
@@ -117,8 +125,12 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be 0 or -1 (off) or >= 1, got {self.top_k}")
+
+    def clone(self) -> "SamplingParams":
+        """vLLM's: a copy (ours are frozen: dataclasses.replace(params, field=value) makes a changed one)."""
+        return dataclasses.replace(self)
 
     @property
     def greedy(self) -> bool:

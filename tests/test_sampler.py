@@ -272,7 +272,7 @@ def test_sample_row_top_k_1_is_argmax():
     dict(max_tokens=0), dict(max_tokens=-3),
     dict(temperature=-0.01), dict(temperature=-1.0),
     dict(top_p=0.0), dict(top_p=-0.5), dict(top_p=1.0001), dict(top_p=2.0), dict(top_p=float("nan")),
-    dict(top_k=0), dict(top_k=-2), dict(top_k=-100), dict(stop=5), dict(stop=["a", 3]),
+    dict(top_k=-2), dict(top_k=-100), dict(stop=5), dict(stop=["a", 3]), dict(max_tokens=2, min_tokens=3),
 ])
 def test_sampling_params_rejects(kwargs):
     with pytest.raises(ValueError):
@@ -294,11 +294,17 @@ def test_sampling_params_defaults_and_normalisation():
     assert SamplingParams(stop="x").stop == ("x",)
     assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
     assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
+    # vLLM's spellings: top_k 0 is off, seed -1 is no seed, logprobs True is 1, max_tokens None is up to the limit
+    assert SamplingParams(top_k=0).top_k == -1 and SamplingParams(seed=-1).seed is None
+    assert SamplingParams(logprobs=True).logprobs == 1 and SamplingParams(max_tokens=None, min_tokens=5).min_tokens == 5
+    with pytest.raises(TypeError):
+        SamplingParams(4)  # vLLM's first field is n: keywords only, never a silent max_tokens
+    assert SamplingParams(top_k=3).clone() == SamplingParams(top_k=3)
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.temperature = 0.5
     # dataclasses.replace re-validates
     with pytest.raises(ValueError):
-        dataclasses.replace(p, top_k=0)
+        dataclasses.replace(p, top_k=-2)
 
 
 def test_sampling_on_the_device_draws_what_sample_draws():

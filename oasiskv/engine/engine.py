@@ -208,6 +208,8 @@ class LLMEngine:
                 raise ValueError(f"token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}")
         else:
             raise ValueError(f"a prompt is a string or a list of integer token ids, got {reprlib.repr(prompt)}")
+        if params.max_tokens is None:  # vLLM's: up to the model length
+            params = dataclasses.replace(params, max_tokens=max(1, self.max_model_len - len(ids)))
         if params.logit_bias and params.logit_bias[-1][0] >= self.model_config.vocab_size:
             raise ValueError(f"logit_bias token ids must be below the vocabulary size {self.model_config.vocab_size}, "
                              f"got {params.logit_bias[-1][0]}")
@@ -417,6 +419,7 @@ class LLMEngine:
         if not p.ignore_eos and token in self.eos_token_ids:
             return "stop"
         if p.stop_token_ids and token in p.stop_token_ids:
+            req.stop_reason = token
             return "stop"
         if p.stop:
             text = self.tokenizer.decode(req.output_token_ids)
@@ -426,6 +429,7 @@ class LLMEngine:
             if found:
                 cut, stop = min(found, key=lambda f: f[0])  # the earliest; at a tie, the first in the list
                 req.output_text = text[:cut + (len(stop) if p.include_stop_str_in_output else 0)]
+                req.stop_reason = stop
                 return "stop_string"
         return None
 

@@ -29,6 +29,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string that finished it
     output_text: str = ""
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)

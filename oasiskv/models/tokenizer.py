@@ -31,10 +31,17 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        if not getattr(self.hf, "chat_template", None):
+    def apply_chat_template(self, messages: list[dict], chat_template: str | None = None,
+                            add_generation_prompt: bool = True, continue_final_message: bool = False,
+                            **template_kwargs) -> list[int]:
+        """The conversation's prompt ids; template_kwargs reach the template (e.g. Qwen3's enable_thinking)."""
+        if not (chat_template or getattr(self.hf, "chat_template", None)):
             raise ValueError("this model's tokenizer has no chat template; use generate with a plain prompt")
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message continues the last message: set add_generation_prompt=False")
+        text = self.hf.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message, **template_kwargs)
         return list(self.hf.encode(text, add_special_tokens=False))
 
 
@@ -59,8 +66,13 @@ class ByteTokenizer:
         out.append(pending.decode("utf-8", errors="replace"))
         return "".join(out)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+    def apply_chat_template(self, messages: list[dict], chat_template: str | None = None,
+                            add_generation_prompt: bool = True, continue_final_message: bool = False,
+                            **template_kwargs) -> list[int]:
+        if chat_template or continue_final_message or template_kwargs:
+            raise ValueError("a model without a tokenizer has no chat template to take these options")
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant: " if add_generation_prompt
+                                                                              else "")
         return self.encode(text)
 
 
