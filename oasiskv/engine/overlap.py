@@ -65,6 +65,7 @@ def resolve_async_scheduling(setting: bool | None, drafter, device: torch.device
     if setting is None:
         return device.type == "cuda" and not host_drafts
     if setting and host_drafts:
-        raise ValueError(f"--async-scheduling needs a draft source that drafts on the device (--draft ngram); "
+        raise ValueError(f"--async-scheduling needs no draft source or one that drafts on the device (--draft ngram "
+                         f"or repeat); "
                          f"--draft {drafter.name} drafts on the host from each step's tokens")
     return setting
