@@ -31,6 +31,10 @@ def bias_pairs(bias) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
+VLLM_ONLY_FIELDS = {"skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "detokenize": (True,),
+                    "bad_words": (None, []), "allowed_token_ids": (None,), "truncate_prompt_tokens": (None,)}
+
+
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """Per-request sampling, shaped like vLLM's. Keywords only: vLLM's first field is n, ours was max_tokens, so a
@@ -60,6 +64,15 @@ class SamplingParams:
     # the same for each prompt token (RequestOutput.prompt_logprobs); raw logprobs, before penalties and temperature
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # vLLM's fields this engine does not honour, at the values that change nothing (VLLM_ONLY_FIELDS); another value
+    # is refused by name, not ignored. best_of may equal n
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
+    best_of: int | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self):
         # vLLM's spellings: top_k 0 is off as -1 is, seed -1 is no seed, logprobs True is the sampled token's and 1
@@ -69,6 +82,8 @@ class SamplingParams:
             object.__setattr__(self, "seed", None)
         if self.logprobs is True:
             object.__setattr__(self, "logprobs", 1)
+        if self.bad_words == []:  # (lists would make the params unhashable)
+            object.__setattr__(self, "bad_words", None)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif self.stop is not None:
@@ -90,6 +105,12 @@ class SamplingParams:
                 object.__setattr__(self, name, int(getattr(self, name)))
 
     def validate(self) -> None:
+        for name, neutral in VLLM_ONLY_FIELDS.items():
+            if getattr(self, name) not in neutral:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not supported by this engine; leave it unset")
+        if self.best_of not in (None, self.n):
+            raise ValueError(f"best_of other than n is not supported by this engine, got {self.best_of} with n "
+                             f"{self.n}")
         for name in ("max_tokens", "n", "top_k", "min_tokens"):
             if not is_integer(getattr(self, name)) and not (name == "max_tokens" and self.max_tokens is None):
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
@@ -141,7 +162,7 @@ class SamplingParams:
         generator, one after another)."""
         if self.n == 1:
             return [self]
-        return [dataclasses.replace(self, n=1, seed=None if self.seed is None else self.seed + i)
+        return [dataclasses.replace(self, n=1, best_of=None, seed=None if self.seed is None else self.seed + i)
                 for i in range(self.n)]
 
     @property

@@ -300,6 +300,13 @@ def test_sampling_params_defaults_and_normalisation():
     with pytest.raises(TypeError):
         SamplingParams(4)  # vLLM's first field is n: keywords only, never a silent max_tokens
     assert SamplingParams(top_k=3).clone() == SamplingParams(top_k=3)
+    # vLLM's fields at values that change nothing are taken; others refused by name
+    taken = SamplingParams(n=2, best_of=2, seed=1, skip_special_tokens=True, detokenize=True, bad_words=[])
+    assert hash(taken) and [c.seed for c in taken.choices()] == [1, 2]
+    for field, value in [("skip_special_tokens", False), ("detokenize", False), ("bad_words", ["x"]),
+                         ("allowed_token_ids", [1]), ("truncate_prompt_tokens", 8), ("best_of", 3)]:
+        with pytest.raises(ValueError, match=f"{field}"):
+            SamplingParams(**{field: value})
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.temperature = 0.5
     # dataclasses.replace re-validates
