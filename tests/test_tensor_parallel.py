@@ -212,6 +212,16 @@ def test_unsupported_settings_fail_before_any_rank_starts(config, message):
         LLMEngine(config)
 
 
+def test_a_size_that_does_not_divide_the_model_fails_before_any_rank_starts(monkeypatch):
+    """SmolLM2's 9 heads at 2 ranks: the leader's own error, with no rank spawned to print a traceback first."""
+    def no_spawn(*args, **kwargs):
+        raise AssertionError("a rank was about to be spawned")
+
+    monkeypatch.setattr("oasiskv.distributed.launch.mp.get_context", no_spawn)
+    with pytest.raises(ValueError, match="--tensor-parallel-size 2 does not divide 9 attention heads"):
+        LLMEngine(EngineConfig(tensor_parallel_size=2, device="cpu"))
+
+
 def test_a_dead_rank_fails_the_next_step_at_once_and_close_returns(tmp_path):
     e = engine(tmp_path, "dense", 2)
     worker = e.tp.procs[0]
