@@ -18,7 +18,7 @@ import time
 import torch
 
 from oasiskv.bench.workload import exposed_wait, graph_replays, kv_bytes_read, kv_deltas
-from oasiskv.config import BenchConfig, EngineConfig, ModelConfig, SamplingParams
+from oasiskv.config import BenchConfig, EngineConfig, SamplingParams
 
 HBM_GBPS = 4200.0
 
@@ -93,11 +93,10 @@ def batch_sizes(text: str) -> list[int | str]:
 
 def run_single_mode(args: argparse.Namespace, config: EngineConfig) -> list[dict]:
     from oasiskv.engine.engine import LLMEngine
-    from oasiskv.models.loader import read_hf_config, resolve_source
+    from oasiskv.models.loader import model_config_of
 
     sched = config.scheduler
-    context = sched.max_model_len or ModelConfig.from_hf(read_hf_config(*resolve_source(config.model))) \
-        .max_position_embeddings
+    context = sched.max_model_len or model_config_of(config.model).max_position_embeddings
     if args.input_len + args.output_len > context:
         raise SystemExit(f"error: --input-len + --output-len ({args.input_len + args.output_len}) is longer than the "
                          f"model's {context} tokens")

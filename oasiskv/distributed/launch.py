@@ -25,19 +25,12 @@ import torch.multiprocessing as mp
 from tqdm.auto import tqdm
 from multiprocessing import connection as mp_connection
 
-from oasiskv.config import HEAD_DRAFTS, EngineConfig, ModelConfig
+from oasiskv.config import HEAD_DRAFTS, EngineConfig
 from oasiskv.distributed.group import TensorParallel, current, join_group, leave_group, run_before_leave
 from oasiskv.distributed.shard import check_shardable
 from oasiskv.engine.runner import PendingTokens
 
 JOIN_TIMEOUT_S = 10.0
-
-
-def model_config_of(model: str | None) -> ModelConfig:
-    """The model's shape from its config alone (no weights)."""
-    from oasiskv.models.loader import read_hf_config, resolve_source
-
-    return ModelConfig.from_hf(read_hf_config(*resolve_source(model)))
 
 
 def start_tensor_parallel(config: EngineConfig, device_type: str) -> TensorParallel | None:
@@ -58,6 +51,8 @@ def start_tensor_parallel(config: EngineConfig, device_type: str) -> TensorParal
         raise ValueError("--draft target is not supported with --tensor-parallel-size > 1 (the draft rows' logits "
                          "would need every rank's share of the output head); use --draft ngram or repeat")
     config.kv.require_layer_layout("--tensor-parallel-size > 1")
+    from oasiskv.models.loader import model_config_of
+
     check_shardable(model_config_of(config.model), world)  # here, not in a spawned rank's traceback
     rendezvous = tempfile.mkdtemp(prefix="oasiskv-tp-")
     init_file = os.path.join(rendezvous, "init")

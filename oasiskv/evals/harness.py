@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from oasiskv.config import SHORTLIST_MODES, EngineConfig, KVConfig, ModelConfig
+from oasiskv.config import SHORTLIST_MODES, EngineConfig, KVConfig
 from oasiskv.evals.haystack import Haystack
 from oasiskv.evals.tasks import SYNTHETIC, Settings, build_task
 
@@ -193,10 +193,9 @@ def run_eval(base: EngineConfig, contexts: list[int], variants: list[Variant], t
 def check_contexts(base: EngineConfig, contexts: list[int]) -> None:
     """Every context within the model's length (--max-model-len, else the model's own), before any weights load
     (a pool is sized for the contexts asked for)."""
-    from oasiskv.models.loader import read_hf_config, resolve_source
+    from oasiskv.models.loader import model_config_of
 
-    limit = base.scheduler.max_model_len or ModelConfig.from_hf(
-        read_hf_config(*resolve_source(base.model))).max_position_embeddings
+    limit = base.scheduler.max_model_len or model_config_of(base.model).max_position_embeddings
     too_long = [c for c in contexts if c > limit]
     if too_long:
         raise ValueError(f"--context {too_long[0]} is longer than the model's {limit} tokens")

@@ -84,6 +84,11 @@ def gguf_config(path: str, mtime_ns: int, size: int) -> dict:
     return gguf_meta.config(path, mtime_ns, size)
 
 
+def model_config_of(model: str | None) -> ModelConfig:
+    """The model's shape from its config alone, before any weights load."""
+    return ModelConfig.from_hf(read_hf_config(*resolve_source(model)))
+
+
 def load_model(model: str | None, load_format: str, device: torch.device, dtype: torch.dtype,
                seed: int = 0, show_progress: bool = True, with_tokenizer: bool = True) -> LoadedModel:
     """with_tokenizer=False (tensor-parallel ranks other than 0, which never see text): tokenizer None."""

@@ -9,7 +9,7 @@ from typing import Literal, Union
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
-from oasiskv.sampling_params import MAX_LOGPROBS
+from oasiskv.sampling_params import MAX_LOGPROBS, VLLM_ONLY_FIELDS
 
 
 
@@ -52,13 +52,14 @@ class StreamOptions(BaseModel):
 # are ignored, as vLLM ignores them.
 UNSUPPORTED_FIELDS = {
     "suffix": (None, ""), "use_beam_search": (None, False),
-    "bad_words": (None, []), "allowed_token_ids": (None,), "tools": (None, []), "guided_json": (None,),
+    "tools": (None, []), "guided_json": (None,),
     "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
     "response_format": (None, {"type": "text"}), "logits_processors": (None, []), "tool_choice": (None, "none", "auto"),
-    "skip_special_tokens": (None, True),
-    "spaces_between_special_tokens": (None, True), "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
+    "prompt_logprobs": (None,),
     "length_penalty": (None, 1, 1.0), "chat_template": (None,), "chat_template_kwargs": (None, {}),
     "add_generation_prompt": (None, True), "continue_final_message": (None, False),
+    # SamplingParams' own: skip_special_tokens, detokenize, bad_words, ... at the values that change nothing
+    **{name: (None, *neutral) for name, neutral in VLLM_ONLY_FIELDS.items()},
 }
 
 
