@@ -55,6 +55,20 @@ def test_banned_ids_cannot_be_drawn_and_ids_beyond_the_vocabulary_are_ignored():
         [banned[0]]
 
 
+def test_a_tiny_repetition_penalty_draws_among_the_seen_tokens():
+    # logit / 1e-300 overflows fp32: the row must stay drawable (it drew token 0 through NaNs), and the draw falls on
+    # a seen token with a positive logit, which the penalty raised above every other
+    logits, prompt, output = random_case(6)
+    seen_positive = {t for t in set(prompt + output) if logits[t] > 0}
+    params = SamplingParams(temperature=1.0, repetition_penalty=1e-300, seed=0)
+    row = apply_penalties(logits, TokenHistory(prompt, output), params)
+    assert not torch.isnan(row).any()
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    for i in range(20):
+        token = sampler.sample(logits[None], [f"r{i}"], [params], [TokenHistory(prompt, output)])[0]
+        assert token in seen_positive
+
+
 def test_the_sampler_keeps_its_callers_logits_raw():
     logits, prompt, output = random_case(5)
     rows = logits[None].repeat(2, 1)

@@ -98,6 +98,12 @@ def test_greedy_batch_is_argmax_and_draws_no_randomness():
     assert mixed[1] == ref.sample(logits[1:2], ids[1:2], [pt])[0]
 
 
+def test_tiny_top_p_draws_the_top_token():
+    logits = torch.tensor([0.0, 1.0, 3.0, 2.0, -1.0])
+    g = torch.Generator().manual_seed(0)
+    assert all(sample_row(logits, SamplingParams(top_p=1e-300), g) == 2 for _ in range(50))
+
+
 def test_small_temperature_concentrates_on_argmax():
     logits = torch.tensor([0.0, 1.0, 3.0, 2.0, -1.0])
     g = torch.Generator().manual_seed(0)
@@ -147,6 +153,7 @@ def test_top_k_top_p_exact_cases():
     assert kept(4, 1.0) == [0, 1, 2, 3]
     assert kept(10, 1.0) == [0, 1, 2, 3]
     assert kept(-1, 1e-6) == [1]  # the top token is always kept
+    assert kept(-1, 1e-300) == [1]  # even where top_p is below fp32's smallest float (it compares as 0)
     assert kept(-1, 0.45) == [1]
     assert kept(-1, 0.55) == [1, 3]
     assert kept(-1, 0.79) == [1, 3]

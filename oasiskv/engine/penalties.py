@@ -50,6 +50,8 @@ def apply_penalties(logits: torch.Tensor, history: TokenHistory, params: Samplin
         seen |= prompt_seen if prompt_seen is not None else token_mask(history.prompt, vocab, device)
         r = params.repetition_penalty
         logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+        # a tiny r overflows logit / r to inf, and inf - inf is NaN in the draw: the largest float ranks the same
+        logits = logits.clamp(max=torch.finfo(logits.dtype).max)
     if params.frequency_penalty != 0:
         logits -= params.frequency_penalty * counts
     if params.presence_penalty != 0:

@@ -18,8 +18,10 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = sorted_logits.softmax(-1)
-        # keep a token if the mass strictly before it is < top_p (the top token is always kept)
+        # keep a token if the mass strictly before it is < top_p; the top token always (a top_p below fp32's
+        # smallest float compares as 0, and 0 >= 0 dropped every token: NaNs, and token 0 came out)
         drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop_sorted[0] = False
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
