@@ -15,6 +15,7 @@ from oasiskv.server.app import BackgroundServer, build_app
 
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,"]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+OPENING = "The capital of France"  # an assistant message the model continues
 PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.4, repetition_penalty=1.3, min_tokens=6)
 
 
@@ -25,7 +26,10 @@ def served(smollm_llm):
     refs = {"completions": smollm_llm.generate(PROMPTS, greedy, use_tqdm=False),
             "chat": smollm_llm.chat(CHAT, greedy, use_tqdm=False)[0],
             "penalized": smollm_llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12, **PENALTIES),
-                                             use_tqdm=False)[0]}
+                                             use_tqdm=False)[0],
+            "continued": smollm_llm.chat(CHAT + [{"role": "assistant", "content": OPENING}],
+                                         SamplingParams(temperature=0, max_tokens=6), use_tqdm=False,
+                                         add_generation_prompt=False, continue_final_message=True)[0]}
     app = build_app(smollm_llm.engine)
     with BackgroundServer(app) as url:
         yield url, app.state.server, refs
@@ -61,6 +65,10 @@ def test_models_health_and_tokenizer_endpoints(served, http):
     assert tokens["tokens"] == state.tokenizer.hf(text)["input_ids"] and tokens["count"] == len(tokens["tokens"])
     assert http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"] == text
     assert http.get("/tokenizer_info").json()["eos_token"] == "<|im_end|>"
+    special = "<|im_start|>user\nhi<|im_end|>"  # special tokens round-trip, as vLLM's /detokenize keeps them
+    ids = http.post("/tokenize", json={"prompt": special}).json()["tokens"]
+    assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == special
+    assert http.get("/version").json()["version"]
 
 
 def test_greedy_completions_match_the_offline_api(served, client):
@@ -208,6 +216,8 @@ def test_streamed_completion_chunks_and_usage(served, http):
     assert "".join(c["choices"][0]["text"] for c in chunks) == refs["completions"][0].outputs[0].text
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert last["choices"] == [] and last["usage"]["completion_tokens"] == 8
+    alone = sse_events(http.post("/v1/completions", json={**body, "stream_options": {"continuous_usage_stats": True}}))
+    assert len(alone) == 8 and all("usage" not in c for c in alone)  # vLLM's: only together with include_usage
 
 
 def test_chat_completion_and_its_stream(served, client):
@@ -226,3 +236,43 @@ def test_chat_completion_and_its_stream(served, client):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.outputs[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == out.usage.total_tokens
+
+
+def test_seed_minus_one_leaves_every_choice_unseeded():
+    from oasiskv.server.job import sampling_params
+    from oasiskv.server.protocol import CompletionRequest
+
+    def seeds(seed):
+        body = CompletionRequest(prompt="hi", seed=seed, n=3)
+        return [sampling_params(body, 4, choice).seed for choice in range(3)]
+
+    assert seeds(-1) == [None, None, None]  # choices 1 and 2 were seeded 0 and 1
+    assert seeds(5) == [5, 6, 7] and seeds(None) == [None, None, None]
+
+
+def test_logprobs_name_tokens_by_id_when_asked(served, http):
+    _, _, refs = served
+    want = [f"token_id:{t}" for t in refs["completions"][0].outputs[0].token_ids[:4]]
+    body = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "logprobs": 2, "return_tokens_as_token_ids": True}
+    got = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert got["tokens"] == want
+    assert all(key.startswith("token_id:") for top in got["top_logprobs"] for key in top)
+    chat = {"messages": CHAT, "max_tokens": 4, "temperature": 0, "logprobs": True, "top_logprobs": 2,
+            "return_tokens_as_token_ids": True}
+    content = http.post("/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in refs["chat"].outputs[0].token_ids[:4]]
+    assert all(t["token"].startswith("token_id:") for c in content for t in c["top_logprobs"])
+
+
+def test_chat_continues_and_echoes_the_final_assistant_message(served, http):
+    _, _, refs = served
+    ref = refs["continued"]
+    body = {"messages": CHAT + [{"role": "assistant", "content": OPENING}], "max_tokens": 6, "temperature": 0,
+            "add_generation_prompt": False, "continue_final_message": True}
+    plain = http.post("/v1/chat/completions", json=body).json()
+    assert plain["choices"][0]["message"]["content"] == ref.outputs[0].text
+    assert plain["usage"]["prompt_tokens"] == len(ref.prompt_token_ids)
+    echoed = http.post("/v1/chat/completions", json={**body, "echo": True}).json()
+    assert echoed["choices"][0]["message"]["content"] == OPENING + ref.outputs[0].text
+    events = sse_events(http.post("/v1/chat/completions", json={**body, "echo": True, "stream": True}))
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == OPENING + ref.outputs[0].text

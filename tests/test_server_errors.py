@@ -82,6 +82,7 @@ BAD_COMPLETIONS = [  # (name, body: dict, raw bytes, or a function of the server
     # seeds torch refuses failed the engine's step, which lost every request and refused new ones
     ("seed beyond torch's range", {"prompt": "hi", "seed": 2 ** 64}, 400),
     ("second choice's seed beyond it", {"prompt": "hi", "n": 2, "seed": 2 ** 64 - 1}, 400),
+    ("seed beyond int64", {"prompt": "hi", "seed": 2 ** 63}, 400),
     ("unknown model", {"prompt": "hi", "model": "no-such-model"}, 404),
     # fields vLLM honours and this server does not: refused, not ignored
     ("suffix", {"prompt": "hi", "suffix": "end"}, 400),
@@ -91,6 +92,7 @@ BAD_COMPLETIONS = [  # (name, body: dict, raw bytes, or a function of the server
     ("min_p above 1", {"prompt": "hi", "min_p": 1.5}, 400),
     ("best_of beyond n", {"prompt": "hi", "best_of": 3}, 400),
     ("guided_choice", {"prompt": "hi", "guided_choice": ["a", "b"]}, 400),
+    ("priority", {"prompt": "hi", "priority": 5}, 400),
     # echo's prompt logprobs ran the model on ids the engine had not checked (a 500; on a GPU a device assert)
     ("echoed token id out of range", {"prompt": [99999, 5], "max_tokens": 1, "echo": True, "logprobs": 1}, 400),
     ("echoed negative token id", {"prompt": [-3, 5], "max_tokens": 0, "echo": True, "logprobs": 1}, 400),
@@ -104,13 +106,20 @@ BAD_CHATS = [
     ("content of the wrong type", {"messages": [{"role": "user", "content": 5}]}, 400),
     ("JSON mode", {**CHAT, "response_format": {"type": "json_object"}}, 400),
     ("tools", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
-    ("continuing the last message", {**CHAT, "add_generation_prompt": False, "continue_final_message": True}, 400),
+    ("continuing the last message and adding a generation prompt", {**CHAT, "continue_final_message": True}, 400),
+    ("documents", {**CHAT, "documents": [{"title": "a", "text": "b"}]}, 400),
+    ("reasoning_effort", {**CHAT, "reasoning_effort": "high"}, 400),
+    ("chat prompt too long", lambda state: {"messages": [{"role": "user", "content": "hi " * state.max_model_len}]},
+     400),
     ("unknown model", {**CHAT, "model": "no-such-model"}, 404),
     ("top_logprobs without logprobs", {**CHAT, "top_logprobs": 3}, 400),
 ]
 PARAMS = {"token id out of range": "prompt", "echoed token id out of range": "prompt", "a lone surrogate": "prompt",
           "logit_bias beyond the vocabulary": "logit_bias", "min_tokens above max_tokens": "min_tokens",
-          "min_p above 1": "min_p", "seed beyond torch's range": "seed", "top_logprobs without logprobs": "top_logprobs"}
+          "min_p above 1": "min_p", "seed beyond torch's range": "seed", "top_logprobs without logprobs": "top_logprobs",
+          "suffix": "suffix", "best_of beyond n": "best_of", "guided_choice": "guided_choice", "priority": "priority",
+          "documents": "documents", "reasoning_effort": "reasoning_effort", "prompt too long": "prompt",
+          "chat prompt too long": "messages", "huge max_tokens": "max_tokens", "seed beyond int64": "seed"}
 
 
 async def post_raw(client, path: str, body, state) -> httpx.Response:

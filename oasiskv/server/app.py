@@ -140,11 +140,25 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     async def detokenize(body: DetokenizeRequest):
         state.check_model(body.model)
         check_token_ids(body.tokens, state.engine.model_config.vocab_size, "tokens")
-        return {"prompt": state.tokenizer.decode(body.tokens)}
+        hf = getattr(state.tokenizer, "hf", None)  # special tokens kept, as vLLM's: /tokenize's ids round-trip
+        return {"prompt": hf.decode(body.tokens) if hf is not None else state.tokenizer.decode(body.tokens)}
+
+    @app.get("/version")
+    async def version():
+        return {"version": package_version()}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
         return tokenizer_info_of(state)
+
+
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("oasiskv")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
 
 
 def tokenize_request(body: TokenizeRequest, tokenizer) -> list[int]:

@@ -12,7 +12,9 @@ from oasiskv.server.protocol import APIError, ChatCompletionRequest
 def chat_prompt(body: ChatCompletionRequest, tokenizer) -> list[int]:
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     try:
-        ids = tokenizer.apply_chat_template(messages)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                            continue_final_message=body.continue_final_message,
+                                            **(body.chat_template_kwargs or {}))
     except ValueError as e:
         raise APIError(str(e), param="messages") from e
     except Exception as e:  # a template that rejects the conversation (e.g. roles out of order)
@@ -29,21 +31,24 @@ class ChatJob(GenerationJob):
         super().__init__(body, state)
         self.prompt = chat_prompt(body, state.tokenizer)
         self.num_prompt_tokens = len(self.prompt)
-        max_tokens = body.max_completion_tokens or body.max_tokens or state.max_model_len - len(self.prompt)
-        check_context(len(self.prompt), max_tokens, state.max_model_len)
+        requested = body.max_completion_tokens or body.max_tokens
+        check_context(len(self.prompt), requested, state.max_model_len, "messages")
+        max_tokens = requested or state.max_model_len - len(self.prompt)
         self.params = [sampling_params(body, max_tokens, i) for i in range(body.n)]
         self.top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        last = body.messages[-1]  # vLLM's echo: the last message leads the answer where it is the assistant's
+        self.echo = last.text() if body.echo and last.role == "assistant" else ""
 
     async def start(self) -> None:
         self.sub = await Submission.start(self.state.loop, [self.prompt] * len(self.params), self.params,
-                                          self.top_logprobs, self.body.kv_transfer_params)
+                                          self.top_logprobs, self.body.kv_transfer_params, prompt_param="messages")
 
     def logprobs(self, logprobs) -> dict | None:
-        return chat_logprobs(self.state.token_str, logprobs) if self.top_logprobs is not None else None
+        return chat_logprobs(self.token_str, logprobs) if self.top_logprobs is not None else None
 
     def response(self, choices: list[Choice]) -> dict:
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.state.model_name,
-                "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
+                "choices": [{"index": i, "message": {"role": "assistant", "content": self.echo + c.text},
                              "logprobs": self.logprobs(c.logprobs), "finish_reason": c.finish_reason,
                              "stop_reason": c.stop_reason} for i, c in enumerate(choices)],
                 "usage": self.usage(sum(len(c.token_ids) for c in choices))}
@@ -52,6 +57,9 @@ class ChatJob(GenerationJob):
         for i in range(len(self.params)):  # the first delta of each choice carries the role
             yield self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                "finish_reason": None}])
+            if self.echo:
+                yield self.chunk([{"index": i, "delta": {"content": self.echo}, "logprobs": None,
+                                   "finish_reason": None}])
         async for d in self.deltas():
             self.generated += len(d.token_ids)
             delta = {"content": d.text} if d.text or not d.finish_reason else {}

@@ -42,10 +42,10 @@ class CompletionJob(GenerationJob):
         self.prompts = prompt_inputs(body.prompt, state.tokenizer, state.engine.model_config.vocab_size)
         self.num_prompt_tokens = sum(len(ids) for _, ids in self.prompts)
         for _, ids in self.prompts:
+            check_context(len(ids), body.max_tokens, state.max_model_len, "prompt")
             max_tokens = state.max_model_len - len(ids) if body.max_tokens is None else body.max_tokens
-            check_context(len(ids), max_tokens, state.max_model_len)
             self.params += [sampling_params(body, max(max_tokens, 1), i) for i in range(self.n)]
-        self.formatters = [CompletionLogprobs(state.token_str) for _ in self.params]
+        self.formatters = [CompletionLogprobs(self.token_str) for _ in self.params]
         self.echoes: list[tuple[str, list]] | None = None
 
     @property
@@ -84,7 +84,7 @@ class CompletionJob(GenerationJob):
     def echo_events(self, payload: dict):
         """The answer of an echo with max_tokens 0, streamed: its choices in one chunk, the usage chunk if asked."""
         options, chunk = self.body.stream_options, self.chunk(payload["choices"])
-        if options and options.continuous_usage_stats:
+        if options and options.include_usage and options.continuous_usage_stats:
             chunk["usage"] = payload["usage"]
         yield sse(chunk)
         if options and options.include_usage:

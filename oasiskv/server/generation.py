@@ -22,11 +22,12 @@ class Submission:
 
     @classmethod
     async def start(cls, loop: EngineLoop, prompts: list[list[int]], params: list[SamplingParams],
-                    top_logprobs: int | None, kv_transfer_params: dict | None = None) -> "Submission":
+                    top_logprobs: int | None, kv_transfer_params: dict | None = None,
+                    prompt_param: str = "prompt") -> "Submission":
         try:
             ids, queue = await loop.add(prompts, params, top_logprobs, kv_transfer_params)
         except ValueError as e:
-            raise APIError(str(e), param="prompt") from e
+            raise APIError(str(e), param=prompt_param) from e
         return cls(loop, ids, queue)
 
     async def outputs(self) -> AsyncIterator[tuple[int, Output]]:

@@ -10,17 +10,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from oasiskv.config import SamplingParams
 from oasiskv.server.generation import ChoiceDelta, Submission, choice_deltas, collect_choices
-from oasiskv.server.protocol import APIError, SamplingFields, error_body, new_id, now, sse, usage
+from oasiskv.server.protocol import (UNSUPPORTED_FIELDS, APIError, SamplingFields, error_body, new_id, now, sse,
+                                     usage)
 
 
 def sampling_params(body: SamplingFields, max_tokens: int, choice: int) -> SamplingParams:
-    """vLLM's defaults and conventions: top_k 0 or -1 is off; choice i of n > 1 is seeded seed + i."""
+    """vLLM's defaults and conventions: top_k 0 or -1 is off; seed -1 is no seed; choice i of n > 1 is seeded
+    seed + i."""
     stop = [s for s in ([body.stop] if isinstance(body.stop, str) else body.stop or []) if s]
     try:
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if not body.top_k else body.top_k,
-            seed=None if body.seed is None else body.seed + choice, stop=stop or None,
+            seed=None if body.seed in (None, -1) else body.seed + choice, stop=stop or None,
             stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
             min_tokens=body.min_tokens, min_p=body.min_p, logit_bias=body.logit_bias or None,
@@ -55,12 +57,29 @@ def encode_text(tokenizer, text: str, param: str, **kwargs) -> list[int]:
     return list(tokenizer.encode(text, **kwargs))
 
 
-def check_context(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
-    if num_prompt_tokens + max_tokens > max_model_len or num_prompt_tokens >= max_model_len:
+def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int, prompt_param: str) -> None:
+    """vLLM's two messages: a prompt that leaves no room for one token names the prompt; a max_tokens (None: unset,
+    up to the model length) that passes the model length names max_tokens."""
+    if num_prompt_tokens >= max_model_len:
+        raise APIError(f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+                       f"{num_prompt_tokens} input tokens. Please reduce the length of the input messages.",
+                       param=prompt_param)
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
         raise APIError(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
                        f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the messages, {max_tokens} "
                        f"in the completion). Please reduce the length of the messages or completion.",
                        param="max_tokens")
+
+
+def refuse_unsupported(body: SamplingFields) -> None:
+    """A field vLLM honours and this server does not is refused by name at another value than its neutral ones;
+    other unknown fields are ignored, as vLLM ignores them."""
+    for name, value in (body.model_extra or {}).items():
+        if name in UNSUPPORTED_FIELDS and value not in UNSUPPORTED_FIELDS[name]:
+            raise APIError(f"{name} is not supported by this server; leave it unset", param=name)
+    if body.best_of not in (None, body.n):
+        raise APIError(f"best_of other than n is not supported by this server (best_of {body.best_of}, n {body.n}); "
+                       f"leave it unset", param="best_of")
 
 
 class GenerationJob:
@@ -72,6 +91,7 @@ class GenerationJob:
 
     def __init__(self, body: SamplingFields, state):
         state.check_model(body.model)
+        refuse_unsupported(body)
         if body.stream_options and not body.stream:
             raise APIError("Stream options can only be defined when `stream=True`.", param="stream_options")
         if body.kv_transfer_params is not None and state.disagg is None:
@@ -92,6 +112,10 @@ class GenerationJob:
         self.generated = 0  # tokens streamed so far
 
     num_prompt_tokens = 0
+
+    def token_str(self, token_id: int) -> str:
+        """A token as its logprobs show it: its text, or vLLM's `token_id:N` with return_tokens_as_token_ids."""
+        return f"token_id:{token_id}" if self.body.return_tokens_as_token_ids else self.state.token_str(token_id)
 
     def usage(self, generated: int) -> dict:
         return usage(self.num_prompt_tokens, generated)
@@ -125,7 +149,7 @@ class GenerationJob:
         options = self.body.stream_options
         try:
             async for payload in self.chunks():
-                if options and options.continuous_usage_stats:
+                if options and options.include_usage and options.continuous_usage_stats:  # vLLM needs both
                     payload["usage"] = self.usage(self.generated)
                 yield sse(payload)
             if options and options.include_usage:

@@ -7,7 +7,7 @@ import uuid
 from typing import Literal, Union
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from oasiskv.sampling_params import MAX_LOGPROBS, VLLM_ONLY_FIELDS
 
@@ -58,6 +58,8 @@ UNSUPPORTED_FIELDS = {
     "prompt_logprobs": (None,),
     "length_penalty": (None, 1, 1.0), "chat_template": (None,), "chat_template_kwargs": (None, {}),
     "add_generation_prompt": (None, True), "continue_final_message": (None, False),
+    "priority": (None, 0), "documents": (None, []), "reasoning_effort": (None,), "mm_processor_kwargs": (None, {}),
+    "prompt_embeds": (None,), "echo": (None, False),  # (completions declare echo; chat's is the extra)
     # SamplingParams' own: skip_special_tokens, detokenize, bad_words, ... at the values that change nothing
     **{name: (None, *neutral) for name, neutral in VLLM_ONLY_FIELDS.items()},
 }
@@ -66,7 +68,7 @@ UNSUPPORTED_FIELDS = {
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat; vLLM extras (top_k, ignore_eos, ...) at the top level."""
 
-    model_config = ConfigDict(extra="allow")  # read by refuse_unsupported, then unused
+    model_config = ConfigDict(extra="allow")  # read by job.refuse_unsupported, then unused
 
     model: str | None = None
     temperature: float | None = Field(None, ge=0)
@@ -75,7 +77,7 @@ class SamplingFields(BaseModel):
     n: int = Field(1, ge=1, le=128)
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2 ** 63, le=2 ** 63 - 1)  # vLLM's: an int64
     ignore_eos: bool = False
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
@@ -88,16 +90,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     kv_transfer_params: dict | None = None  # prefill/decode disaggregation (vLLM's field): oasiskv/disagg/
     best_of: int | None = None  # vLLM's; only best_of == n (or unset) is served
-
-    @model_validator(mode="after")
-    def refuse_unsupported(self):
-        for name, value in (self.model_extra or {}).items():
-            if name in UNSUPPORTED_FIELDS and value not in UNSUPPORTED_FIELDS[name]:
-                raise ValueError(f"{name} is not supported by this server; leave it unset")
-        if self.best_of not in (None, self.n):
-            raise ValueError(f"best_of other than n is not supported by this server (best_of {self.best_of}, "
-                             f"n {self.n}); leave it unset")
-        return self
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens as `token_id:N`
 
 
 TokenIds = list[StrictInt]
@@ -127,6 +120,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None  # reach the template (e.g. Qwen3's enable_thinking)
+    echo: bool = False  # vLLM's: a last assistant message leads the answer
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
