@@ -49,7 +49,7 @@ class ModelRunner:
         """pending: the tokens of the step before, still on the device (async scheduling); the chunks hold
         PENDING_TOKEN where they go."""
         chunks = order_decodes_first(plan.chunks)
-        graphable = self.graphs is not None and all(len(c.token_ids) == 1 and c.sample for c in chunks)
+        graphable = self.graphs is not None and all(map(is_decode, chunks))
         ids, positions, meta = self.prepare(chunks, self.max_blocks if graphable else 0, pending)
         if self.any_pending:
             fill_pending(ids, self.token_sources, pending.tokens)
@@ -97,7 +97,7 @@ class ModelRunner:
             ids += c.token_ids
             positions += pos
             slot_blocks += [c.block_ids[p // bs] for p in pos]
-        num_decode = sum(1 for c in chunks if len(c.token_ids) == 1)
+        num_decode = sum(map(is_decode, chunks))
         decodes, prefills = chunks[:num_decode], chunks[num_decode:]
         num_draft = num_decode if self.policy.wants_drafts else 0
         if num_draft:  # a chunk without a guess (a one-token prompt) repeats its own token
@@ -153,8 +153,15 @@ def fill_pending(ids: torch.Tensor, sources: torch.Tensor, tokens: torch.Tensor)
     head.copy_(torch.where(sources >= 0, tokens[sources.clamp(min=0)], head))
 
 
+def is_decode(c: ScheduledChunk) -> bool:
+    """One token that samples the next: a decode, or a prompt's last token alone (its K/V goes to the tail block as
+    a decode's does). A one-token piece of a longer prompt (what a step's last budget token leaves) is a prefill:
+    the tiered modes must write it to the host store, where the prompt's later chunks read their prefix."""
+    return len(c.token_ids) == 1 and c.sample
+
+
 def order_decodes_first(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
-    return [c for c in chunks if len(c.token_ids) == 1] + [c for c in chunks if len(c.token_ids) > 1]
+    return [c for c in chunks if is_decode(c)] + [c for c in chunks if not is_decode(c)]
 
 
 def block_table_array(tables: list[list[int]], width: int = 0) -> np.ndarray:

@@ -142,6 +142,8 @@ class TieredPolicy(SparsePolicy):
         # what earlier steps wrote to the host store and the current stream has not waited for yet: the
         # prefix reads of continued prefills wait for it
         self.prefix_written = self.store_stream.record_event() if self.host_writes_pending else None
+        if self.keep.holder is not None and self.keep.holder in meta.decode_request_ids:
+            self.keep.release(self.keep.holder)  # its prompt's last token came alone, as a decode: prefill is over
         self.keep_ways = self.keep.plan(meta.prefills)
         arrays = self.step_arrays(meta)
         self.step_buffer, views = self.upload(list(arrays.values()))
