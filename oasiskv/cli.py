@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from oasiskv.config import (BLOCK_SCORES, DRAFTS, KV_MODES, KV_TRANSFERS, MISS_POLICIES, ROLES, SCHEDULE_POLICIES,
@@ -422,8 +423,28 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+OUTPUT_FLAGS = {"json": "--json", "plot": "--plot", "json_path": "--json"}  # (generate's --json is a switch)
+
+
+def check_output_path(path: str, flag: str) -> None:
+    """Fails at once where `path` cannot be written: results are written after minutes of measuring, and a wrong
+    path found then loses them. The file is created and removed again (appended to where it exists)."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        existed = os.path.exists(path)
+        with open(path, "a"):
+            pass
+        if not existed:
+            os.remove(path)
+    except OSError as e:
+        raise SystemExit(f"error: {flag} {path}: cannot write there: {e.strerror or e}") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
+    for name, flag in OUTPUT_FLAGS.items():
+        if isinstance(getattr(args, name, None), str):
+            check_output_path(getattr(args, name), flag)
     args.func(args)
 
 

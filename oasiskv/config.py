@@ -161,9 +161,8 @@ class KVConfig:
             raise ValueError(f"--dense-layers must be at least 0, got {self.dense_layers}")
         if self.host_kv_gb is not None and not self.host_kv_gb > 0:
             raise ValueError(f"--host-kv-gb must be above 0, got {self.host_kv_gb}")
-        if self.budget % block_size or self.budget < block_size:
-            raise ValueError(f"--kv-budget must be a positive multiple of the block size {block_size}, "
-                             f"got {self.budget}")
+        if self.mode != "dense":  # (dense attends to everything: its budget, sink and local go unread)
+            self.validate_budget(block_size)
         if self.block_score not in BLOCK_SCORES:
             raise ValueError(f"--block-score must be one of {', '.join(BLOCK_SCORES)}, got {self.block_score!r}")
         if self.select_per not in SELECT_PER:
@@ -172,11 +171,6 @@ class KVConfig:
             raise ValueError("--select-per kv-head needs a sparse --kv-mode (dense selects nothing)")
         if self.summary_tokens is not None and (self.summary_tokens < 1 or block_size % self.summary_tokens):
             raise ValueError(f"--summary-tokens must divide the block size {block_size}, got {self.summary_tokens}")
-        if self.sink_blocks < 0 or self.local_blocks < 1:
-            raise ValueError("--sink-blocks must be >= 0 and --local-blocks >= 1 (the tail block is local)")
-        if (self.sink_blocks + self.local_blocks) * block_size > self.budget:
-            raise ValueError(f"sink ({self.sink_blocks}) + local ({self.local_blocks}) blocks exceed the budget "
-                             f"of {self.budget // block_size} blocks")
         if not 0 <= self.dense_layers <= num_layers:
             raise ValueError(f"--dense-layers must be in [0, {num_layers}], got {self.dense_layers}")
         if self.working_set is not None:
@@ -195,6 +189,16 @@ class KVConfig:
                              f"({self.mode} keeps no full KV on the GPU)")
         if self.mode == "oasis":
             self.validate_lookahead(block_size)
+
+    def validate_budget(self, block_size: int) -> None:
+        if self.budget % block_size or self.budget < block_size:
+            raise ValueError(f"--kv-budget must be a positive multiple of the block size {block_size}, "
+                             f"got {self.budget}")
+        if self.sink_blocks < 0 or self.local_blocks < 1:
+            raise ValueError("--sink-blocks must be >= 0 and --local-blocks >= 1 (the tail block is local)")
+        if (self.sink_blocks + self.local_blocks) * block_size > self.budget:
+            raise ValueError(f"sink ({self.sink_blocks}) + local ({self.local_blocks}) blocks exceed the budget "
+                             f"of {self.budget // block_size} blocks")
 
     def validate_working_set(self, block_size: int) -> None:
         if not self.offloaded:

@@ -10,6 +10,8 @@ import torch
 from oasiskv.cli import main
 
 GENERATE = ["generate", "--prompt", "hi", "--max-tokens", "2"]
+BENCH = ["bench", "throughput", "--input-len", "64", "--output-len", "4"]
+NOWHERE = "/proc/no-such-dir/out.json"  # (its directory cannot be made, by root either)
 CASES = [
     (GENERATE + ["--num-kv-blocks", "-4"], "at least one block, got --num-kv-blocks -4"),
     (GENERATE + ["--device", "banana"], "--device must be auto, cpu or cuda"),
@@ -25,6 +27,21 @@ CASES = [
     (["bench", "throughput", "--batch-sizes", "0"], "--batch-sizes must be at least 1"),
     (["bench", "throughput", "--input-len", "100000", "--output-len", "2", "--batch-sizes", "1"],
      r"--input-len \+ --output-len \(100002\) is longer than the model's 8192 tokens"),
+    # found only after minutes of measuring (or after the weights loaded), which the run then lost
+    (BENCH + ["--modes", "dense,quest", "--json", NOWHERE], f"--json {NOWHERE}: cannot write there"),
+    (BENCH + ["--json", "/"], "--json /: cannot write there"),
+    (["eval", "--quick", "--json", NOWHERE], f"--json {NOWHERE}: cannot write there"),
+    (["bench", "kernels", "--json", NOWHERE], f"--json {NOWHERE}: cannot write there"),
+    (BENCH + ["--modes", "dense,quest,oasis", "--kv-budget", "128"], r"^error: oasis: --fetch-cap 0.05 x --kv-budget 128"),
+    (BENCH + ["--modes", "dense,quest", "--kv-budget", "32"], r"^error: quest: sink \(1\) \+ local \(4\) blocks"),
+    (BENCH + ["--sweep-fetch-cap", "0.05,0"], r"^error: oasis: --fetch-cap must be in \(0, 1\], got 0.0"),
+    (BENCH + ["--modes", "dense", "--compare-to", "/no-such-file.json"], "cannot read --compare-to /no-such-file.json"),
+    (BENCH + ["--modes", "dense", "--prompt-corpus", "nosuch"], "--prompt-corpus must be one of"),
+    (BENCH + ["--plot", "x.png"], "--plot draws --modes or a sweep"),
+    (BENCH + ["--model", "/no-such-dir/model.gguf"], "model '/no-such-dir/model.gguf' not found"),
+    (BENCH + ["--sweep-concurrency", "0,-1"], "--sweep-concurrency takes counts of at least 1"),
+    (BENCH + ["--warmup-steps", "-3"], "--warmup-steps must be at least 0"),
+    (BENCH + ["--modes", "dense", "--hbm-gbps", "-5"], "--hbm-gbps must be above 0"),
 ]
 if not torch.cuda.is_available():
     CASES.append((GENERATE + ["--device", "cuda"], "no CUDA GPU is available here"))

@@ -67,6 +67,21 @@ def test_bench_serve_prints_and_saves_vllm_style_results(url, smollm_llm, tmp_pa
     assert saved["vocab_size"] == smollm_llm.engine.model_config.vocab_size  # prompts drawn from the model's
 
 
+def test_bench_serve_says_why_when_every_request_failed(url, smollm_llm, tmp_path, capsys):
+    """Prompts past the model's length: the run measured nothing, so it says the server's reason and fails (it
+    printed 0.00 ms latencies and exited 0); the JSON keeps the errors."""
+    p = argparse.ArgumentParser()
+    bench_serve.add_args(p)
+    out = tmp_path / "failed.json"
+    too_long = str(smollm_llm.engine.max_model_len + 1)
+    args = p.parse_args(["--base-url", url, "--random-input-len", too_long, "--random-output-len", "2",
+                         "--num-prompts", "2", "--json", str(out)])
+    with pytest.raises(SystemExit, match="^error: all 2 requests failed; the first error: .*maximum context length"):
+        bench_serve.main(args)
+    assert "failed request: " in capsys.readouterr().err
+    assert json.loads(out.read_text())["failed"] == 2
+
+
 def test_bench_serve_refuses_to_guess_the_vocabulary(tmp_path):
     """A server without /tokenizer_info: no silent default vocabulary (other prompts), a clear error."""
     app = FastAPI()
@@ -91,6 +106,7 @@ def test_bench_serve_refuses_to_guess_the_vocabulary(tmp_path):
     (["--request-rate", "-1"], "--request-rate must be above 0"),
     (["--max-concurrency", "0"], "--max-concurrency must be at least 1"),
     (["--metric-percentiles", "50,200"], "--metric-percentiles must be numbers in"),
+    (["--vocab-size", "-5"], "--vocab-size must be at least 1, got -5"),
     ([], "cannot reach the server at http://127.0.0.1:1 .*is `oasiskv serve` running there"),
 ])
 def test_bench_serve_bad_flags_and_no_server_are_clear_errors(flags, message):

@@ -98,15 +98,33 @@ def hbm_ceiling(args, config: EngineConfig) -> float:
     return gbps
 
 
+def check_runs(args, config: EngineConfig) -> None:
+    """Each engine's KV settings, checked before the first one runs: a mode or cap that a later engine refuses
+    would otherwise stop the run after minutes of measuring the others."""
+    if args.sweep_fetch_cap:
+        kvs = [config.kv.for_mode("oasis", fetch_cap=cap) for cap in parse_list(args.sweep_fetch_cap, float,
+                                                                                "--sweep-fetch-cap")]
+    else:
+        kvs = [config.kv.for_mode(mode) for mode in parse_modes(args.modes or config.kv.mode)]
+    for kv in kvs:
+        try:
+            kv.validate(config.cache.block_size, num_layers=sys.maxsize)
+        except ValueError as e:
+            raise SystemExit(f"error: {kv.mode}: {e}") from None
+    if args.sweep_concurrency and min(parse_list(args.sweep_concurrency, int, "--sweep-concurrency")) < 1:
+        raise SystemExit(f"error: --sweep-concurrency takes counts of at least 1, got {args.sweep_concurrency!r}")
+
+
 def run_modes(args, config: EngineConfig) -> dict:
     modes = parse_modes(args.modes)
+    earlier = earlier_rows(args.compare_to, "modes", "mode", modes)  # a wrong path fails before the measuring
     hbm = hbm_ceiling(args, config)
     rows = []
     for mode in modes:
         row, info = with_engine(mode_config(config, mode), lambda e: measure_mode(e, args, hbm))
         rows.append({**row, **info})
         save_progress(args, config, {"kind": "modes", "hbm_gbps": round(hbm, 1), "rows": rows})
-    rows = add_ratios(earlier_rows(args.compare_to, "modes", "mode", modes) + rows)
+    rows = add_ratios(earlier + rows)
     print_modes_table(rows)
     result = {"kind": "modes", "hbm_gbps": round(hbm, 1), "rows": rows}
     finish(args, config, result, plots.plot_modes)

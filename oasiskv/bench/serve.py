@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -129,7 +130,7 @@ async def server_vocab_size(client: httpx.AsyncClient) -> int:
     info = await client.get("/tokenizer_info")
     size = info.json().get("vocab_size") if info.status_code == 200 else None
     if not size:
-        raise SystemExit(f"{client.base_url}/tokenizer_info gave no vocab_size (HTTP {info.status_code}): "
+        raise SystemExit(f"error: {client.base_url}/tokenizer_info gave no vocab_size (HTTP {info.status_code}): "
                          "pass --vocab-size")
     return int(size)
 
@@ -196,7 +197,8 @@ def check_args(args) -> None:
              ("--max-concurrency", args.max_concurrency, args.max_concurrency is None or args.max_concurrency >= 1,
               "at least 1"),
              ("--request-rate", args.request_rate, args.request_rate > 0, "above 0 (inf: all at once)"),
-             ("--burstiness", args.burstiness, args.burstiness > 0, "above 0")]
+             ("--burstiness", args.burstiness, args.burstiness > 0, "above 0"),
+             ("--vocab-size", args.vocab_size, args.vocab_size is None or args.vocab_size >= 1, "at least 1")]
     for flag, value, ok, rule in rules:
         if not ok:
             raise SystemExit(f"error: {flag} must be {rule}, got {value}")
@@ -223,7 +225,18 @@ def main(args) -> dict:
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump(summary, f, indent=1)
+    report_failures(summary)
     return summary
+
+
+def report_failures(summary: dict) -> None:
+    """The failed requests' distinct errors (the table counts them only); a run where none succeeded measured
+    nothing (its latencies read 0) and exits non-zero."""
+    errors = list(dict.fromkeys(e for e in summary["errors"] if e))
+    for error in errors[:3]:
+        print(f"failed request: {error}", file=sys.stderr)
+    if summary["completed"] == 0:
+        raise SystemExit(f"error: all {summary['failed']} requests failed; the first error: {errors[0] if errors else '?'}")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="memory bandwidth of the roofline (default: a device-to-device copy measured now; "
                         f"single-mode runs: {HBM_GBPS:.0f})")
     g.add_argument("--out", default="results/bench_throughput.json",
-                   help="single-mode JSON (default: %(default)s, under the current directory)")
+                   help="single-mode JSON (default: %(default)s, under the current directory; --json overrides it)")
     m = p.add_argument_group("every mode side by side (vllm bench throughput's numbers)")
     m.add_argument("--modes", default=None, help="comma-separated KV modes, e.g. dense,quest,retrieval,oasis: each "
                                                   "runs at the largest concurrency it holds")
@@ -71,6 +71,7 @@ def run_from_args(args: argparse.Namespace, config: EngineConfig):
         batch_sizes(args.batch_sizes)  # a bad value fails before the weights load
     if args.sweep_concurrency and args.sweep_fetch_cap:
         raise SystemExit("error: run --sweep-concurrency and --sweep-fetch-cap in separate invocations")
+    check_flags(args, config)
     if args.sweep_concurrency:
         return modes.run_concurrency_sweep(args, config)
     if args.sweep_fetch_cap:
@@ -78,6 +79,31 @@ def run_from_args(args: argparse.Namespace, config: EngineConfig):
     if args.modes:
         return modes.run_modes(args, config)
     return run_single_mode(args, config)
+
+
+def check_flags(args: argparse.Namespace, config: EngineConfig) -> None:
+    """What the run would otherwise find wrong only after the weights load or after minutes of measuring."""
+    from oasiskv.bench import modes
+    from oasiskv.cli import check_output_path
+    from oasiskv.evals.texts import CORPORA
+    from oasiskv.models.loader import model_config_of
+
+    if args.hbm_gbps is not None and not args.hbm_gbps > 0:
+        raise SystemExit(f"error: --hbm-gbps must be above 0, got {args.hbm_gbps}")
+    if args.warmup_steps < 0:
+        raise SystemExit(f"error: --warmup-steps must be at least 0, got {args.warmup_steps}")
+    if args.prompt_corpus is not None and args.prompt_corpus not in CORPORA:
+        raise SystemExit(f"error: --prompt-corpus must be one of {', '.join(CORPORA)}, got {args.prompt_corpus!r}")
+    try:
+        model_config_of(config.model)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+    if args.modes or args.sweep_concurrency or args.sweep_fetch_cap:
+        modes.check_runs(args, config)
+    else:
+        if args.plot:
+            raise SystemExit("error: --plot draws --modes or a sweep; a single mode (--kv-mode) prints its table")
+        check_output_path(args.json or args.out, "--json" if args.json else "--out")
 
 
 def batch_sizes(text: str) -> list[int | str]:
@@ -115,11 +141,12 @@ def run_single_mode(args: argparse.Namespace, config: EngineConfig) -> list[dict
     rows = [bench_one(engine, b, args.input_len, args.output_len, args.hbm_gbps or HBM_GBPS, args.warmup_steps)
             for b in batches]
     print_table(rows, engine)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
+    out = args.json or args.out  # --json names the file as it does for --modes
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
         json.dump({"model": engine.model_source, "device": device_name(engine.device), "dtype": str(engine.dtype),
                    "kv_pool_blocks": engine.pool.num_blocks, "rows": rows}, f, indent=2)
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
     return rows
 
 
