@@ -42,6 +42,20 @@ CASES = [
     (BENCH + ["--sweep-concurrency", "0,-1"], "--sweep-concurrency takes counts of at least 1"),
     (BENCH + ["--warmup-steps", "-3"], "--warmup-steps must be at least 0"),
     (BENCH + ["--modes", "dense", "--hbm-gbps", "-5"], "--hbm-gbps must be above 0"),
+    (["eval", "--quick", "--modes", "oasis", "--fetch-cap", "0"], r"--fetch-cap must be in \(0, 1\], got 0"),
+    (["eval", "--quick", "--modes", "quest,bogus"], "--modes takes modes among .*, got 'bogus'"),
+    (["eval", "--quick", "--modes", "dense", "--plot", "x.png"], "--plot draws each mode's drop against dense"),
+    # tracebacks before
+    (["bench", "kernels", "--batches", "foo"], "--batches takes comma-separated counts, got 'foo'"),
+    (["bench", "kernels", "--batches", "0"], "--batches must be counts of at least 1"),
+    (["bench", "kernels", "--chunks", "0"], "--chunks must be at least 1"),
+    (["bench", "kernels", "--q-heads", "5", "--kv-heads", "2"], "--q-heads must be a positive multiple of --kv-heads"),
+    (["bench", "kernels", "--shortlist", "-1"], r"--shortlist must be at least 1 \(times the budget\)"),
+    (["bench", "hf-reference", "--model", "/no-such-dir", "--batch", "1"], "model '/no-such-dir' not found"),
+    (["bench", "hf-reference", "--model", "qwen3-0.6b", "--batch", "0"], "--batch must be at least 1"),
+    (["bench", "hf-reference", "--batch", "1", "--input-len", "-3"], "--input-len must be at least 1"),
+    (["bench", "hf-reference", "--model", "qwen3-0.6b", "--batch", "1", "--input-len", "100000"],
+     r"--input-len \+ --output-len \(100\d+\) is longer than the model's 40960 tokens"),
 ]
 if not torch.cuda.is_available():
     CASES.append((GENERATE + ["--device", "cuda"], "no CUDA GPU is available here"))

@@ -20,7 +20,7 @@ from oasiskv.bench.workload import random_prompts
 from oasiskv.config import BenchConfig, CacheConfig
 from oasiskv.engine.engine import pick_device, pick_dtype
 from oasiskv.kv.host_store import spare_host_bytes
-from oasiskv.models.loader import read_hf_config, resolve_source
+from oasiskv.models.loader import model_config_of, read_hf_config, resolve_source
 
 GiB = 1 << 30
 
@@ -105,13 +105,29 @@ def prompt_tensor(batch: int, args, cfg, device) -> torch.Tensor:
     return torch.tensor(random_prompts(batch, args.input_len, cfg.vocab_size, args.prompt_seed), device=device)
 
 
-def run(args) -> dict:
-    device = pick_device(args.device)
-    dtype = pick_dtype(args.dtype, device)
+def check_args(args, device: torch.device) -> None:
+    """Sizes and the model's context, before any weights are made."""
+    if args.input_len < 1:
+        raise SystemExit(f"error: --input-len must be at least 1, got {args.input_len}")
     if args.output_len < 2:
         raise SystemExit("error: --output-len must be at least 2 (decode time is whole minus prefill)")
     if args.batch is None and device.type != "cuda":
         raise SystemExit("error: give --batch on the CPU (the largest batch that fits is found on the GPU)")
+    if args.batch is not None and args.batch < 1:
+        raise SystemExit(f"error: --batch must be at least 1, got {args.batch}")
+    try:
+        context = model_config_of(args.model).max_position_embeddings
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+    if args.input_len + args.output_len > context:
+        raise SystemExit(f"error: --input-len + --output-len ({args.input_len + args.output_len}) is longer than the "
+                         f"model's {context} tokens")
+
+
+def run(args) -> dict:
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    check_args(args, device)
     net, cfg = build_model(args.model, device, dtype, args.seed)
     if device.type == "cuda" and args.gpu_memory_gb:
         total = torch.cuda.get_device_properties(device).total_memory

@@ -163,13 +163,35 @@ def bench_scoring(batch: int, context: int, budget: int, shapes: dict, layers: i
             "layers": layers}
 
 
+def checked_batches(args) -> list[int]:
+    """--batches as counts; every size checked before a tensor is made."""
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        raise SystemExit(f"error: --batches takes comma-separated counts, got {args.batches!r}") from None
+    if args.budget % BLOCK or args.budget < 10 * BLOCK:
+        raise SystemExit(f"error: --budget must be a multiple of {BLOCK} of at least {10 * BLOCK} tokens")
+    rules = [("--batches", args.batches, min(batches) >= 1, "counts of at least 1"),
+             ("--context", args.context, args.context >= args.budget, f"at least --budget ({args.budget})"),
+             ("--kv-heads", args.kv_heads, args.kv_heads >= 1, "at least 1"),
+             ("--q-heads", args.q_heads, args.q_heads >= 1 and args.q_heads % max(args.kv_heads, 1) == 0,
+              "a positive multiple of --kv-heads"),
+             ("--head-dim", args.head_dim, args.head_dim >= 1, "at least 1"),
+             ("--layers", args.layers, args.layers >= 1, "at least 1"),
+             ("--host-gib", args.host_gib, args.host_gib > 0, "above 0"),
+             ("--chunks", args.chunks, args.chunks >= 1, "at least 1"),
+             ("--shortlist", args.shortlist, args.shortlist >= 1, "at least 1 (times the budget)")]
+    for flag, value, ok, rule in rules:
+        if not ok:
+            raise SystemExit(f"error: {flag} must be {rule}, got {value}")
+    return batches
+
+
 def run(args) -> dict:
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     shapes = {"q_heads": args.q_heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim}
-    batches = [int(b) for b in args.batches.split(",")]
-    if args.budget % BLOCK or args.budget < 10 * BLOCK:
-        raise SystemExit(f"error: --budget must be a multiple of {BLOCK} of at least {10 * BLOCK} tokens")
+    batches = checked_batches(args)
     copy_gbps = memory_copy_gbps(device)
     gather = bench_gather(args.host_gib, args.chunks, args.kv_heads, args.head_dim, dtype, device)
     attention = [bench_sparse_attention(b, args.context, args.budget, shapes, dtype, device, copy_gbps)

@@ -88,6 +88,21 @@ def fill_sizes(args: argparse.Namespace) -> None:
                 raise SystemExit(f"error: --{name.replace('_', '-')} must be at least 1, got {v}")
 
 
+def check_lists(args: argparse.Namespace) -> None:
+    """The listed modes and caps, before the dense anchor runs (a bad one was found after it, or made a row that
+    was silently skipped)."""
+    from oasiskv.config import KV_MODES
+
+    bad = [m for m in args.modes if m not in KV_MODES]
+    if bad:
+        raise SystemExit(f"error: --modes takes modes among {', '.join(KV_MODES)}, got {bad[0]!r}")
+    bad_caps = [c for c in args.fetch_cap or [] if not 0 < c <= 1]
+    if bad_caps:
+        raise SystemExit(f"error: --fetch-cap must be in (0, 1], got {bad_caps[0]:g}")
+    if args.plot and not set(args.modes) - {"dense"}:
+        raise SystemExit("error: --plot draws each mode's drop against dense: give --modes beyond dense")
+
+
 def base_config(args: argparse.Namespace):
     """The engine configuration of the flags, through oasiskv.cli.engine_config with scalar KV values."""
     from oasiskv.cli import engine_config
@@ -110,6 +125,7 @@ def main(args: argparse.Namespace) -> None:
     from oasiskv.evals.texts import load_corpus
 
     fill_sizes(args)
+    check_lists(args)
     settings = Settings(samples=args.samples, windows=args.windows, scored=args.scored, gen_tokens=args.gen_tokens,
                         seed=args.task_seed, chat=args.chat)
     t0 = time.perf_counter()
