@@ -80,6 +80,23 @@ def test_stop_strings_and_max_tokens(smollm_llm):
         SamplingParams(stop=["x", ""])
 
 
+def test_a_stop_string_far_into_a_long_output(smollm_llm, smollm_hf_tokenizer):
+    """Past the engine's window of last tokens (STOP_WINDOW_TOKENS), the output is no longer decoded whole each step:
+    the cut must still fall at the stop string's first occurrence in the whole text (the brute force)."""
+    from oasiskv.engine.engine import STOP_WINDOW_TOKENS
+
+    prompt = "Count with me: 1, 2, 3, 4, 5,"
+    free = smollm_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=160, ignore_eos=True),
+                               use_tqdm=False)[0].outputs[0]
+    text = smollm_hf_tokenizer.decode(free.token_ids, skip_special_tokens=True)
+    far = len(smollm_hf_tokenizer.decode(free.token_ids[:STOP_WINDOW_TOKENS + 40], skip_special_tokens=True))
+    stop = text[far:far + 4]
+    assert text.find(stop) > len(smollm_hf_tokenizer.decode(free.token_ids[:STOP_WINDOW_TOKENS + 1]))
+    out = smollm_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=160, ignore_eos=True, stop=[stop]),
+                              use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text == text[:text.find(stop)]
+
+
 def test_a_stop_string_within_min_tokens_does_not_stop(smollm_llm, smollm_hf_tokenizer):
     """vLLM's rule: only a stop string that ends after the first min_tokens tokens' text stops the request."""
     prompt = "The capital of France is"

@@ -29,6 +29,10 @@ from oasiskv.policies.factory import build_kv
 from oasiskv.models.loader import load_model
 from oasiskv.policies.dense import causal_attention
 
+# a stop string the last token completes lies in the text of this many last tokens (or 8 per character of the
+# longest stop string): tokens of a character split over several bytes, a word's pieces
+STOP_WINDOW_TOKENS = 64
+
 
 @dataclass
 class EngineStats:
@@ -421,7 +425,7 @@ class LLMEngine:
         if p.stop_token_ids and token in p.stop_token_ids:
             req.stop_reason = token
             return "stop"
-        if p.stop:
+        if p.stop and self.stop_string_near_end(req):
             text = self.tokenizer.decode(req.output_token_ids)
             # as vLLM: a stop string must end after the first min_tokens tokens' text
             start = len(self.tokenizer.decode(req.output_token_ids[:p.min_tokens])) if p.min_tokens else 0
@@ -432,6 +436,16 @@ class LLMEngine:
                 req.stop_reason = stop
                 return "stop_string"
         return None
+
+    def stop_string_near_end(self, req: Request) -> bool:
+        """Whether a stop string is in the text of the output's last tokens. Checked every step, a stop string is new
+        only where the last token ends it, so the whole output (decoded every step: quadratic in its length) is read
+        only once one is near the end."""
+        window = max(STOP_WINDOW_TOKENS, 8 * max(map(len, req.params.stop)))
+        if len(req.output_token_ids) <= window:
+            return True
+        tail = self.tokenizer.decode(req.output_token_ids[-window:])
+        return any(s in tail for s in req.params.stop)
 
     @property
     def eos_token_ids(self) -> set[int]:
