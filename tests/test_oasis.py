@@ -26,14 +26,15 @@ def run(llm: LLM, prompts=PROMPTS, params=GREEDY):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def run_with_perfect_draft(llm: LLM, prompts: list[str], reference: list[list[int]]) -> tuple[list[list[int]], dict]:
-    """Greedy tokens of `prompts` when every draft is the next token of `reference` (a run's outputs), and the
-    engine's stats."""
+def run_with_perfect_draft(llm: LLM, prompts: list, reference: list[list[int]], params=GREEDY
+                           ) -> tuple[list[list[int]], dict]:
+    """Greedy tokens of `prompts` (texts or token ids) when every draft is the next token of `reference` (a run's
+    outputs), and the engine's stats."""
     engine = llm.engine
-    ids = {str(i): engine.tokenizer.encode(p) for i, p in enumerate(prompts)}
+    ids = {str(i): p if isinstance(p, list) else engine.tokenizer.encode(p) for i, p in enumerate(prompts)}
     engine.drafter = TeacherDraft({rid: len(p) for rid, p in ids.items()}, {str(i): t for i, t in enumerate(reference)})
     for rid, prompt in ids.items():
-        engine.add_request(prompt, GREEDY, request_id=rid)
+        engine.add_request(prompt, params, request_id=rid)
     while engine.has_unfinished():
         engine.step()
     return [engine.requests[str(i)].output_token_ids for i in range(len(prompts))], engine.stats_dict()
@@ -50,6 +51,26 @@ def test_perfect_draft_with_full_cap_gives_quest_tokens(miss_policy):
     assert stats["kv_agreement"] > 0.9, stats["kv_agreement_per_layer"]
     # every token after a request's first (sampled by its prefill) had a draft, and the teacher was always right
     assert stats["draft_tokens"] == sum(len(t) - 1 for t in quest) and stats["draft_accuracy"] == 1.0
+
+
+@pytest.mark.parametrize("miss_policy", ["skip", "fill", "fetch"])
+def test_a_cap_of_one_fetches_what_even_a_perfect_draft_misses(miss_policy):
+    """A perfect draft token still leaves misses: the draft row's query is computed over x_t's selection, not its
+    own. A cap of 1 (fetch-all) fetches them under every miss policy, so oasis gives quest's tokens (with skip and
+    fill it gave other tokens here: a helper's randomized test found the workload)."""
+    from oasiskv.evals.texts import load_corpus
+
+    sparse = dict(kv_budget=48, sink_blocks=1, local_blocks=1, kv_cache_gb=0.2, max_num_batched_tokens=1024)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    quest_llm = LLM(show_progress=False, kv_mode="quest", **sparse)
+    ids = quest_llm.get_tokenizer().encode(" ".join(load_corpus("sample")[0].split()[:600]))
+    prompts = [ids[11 * k:11 * k + n] for k, n in enumerate([64, 95, 64, 215])]
+    quest = [o.outputs[0].token_ids for o in quest_llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                                 use_tqdm=False)]
+    llm = LLM(show_progress=False, kv_mode="oasis", fetch_cap=1.0, host_kv_gb=0.5, miss_policy=miss_policy, **sparse)
+    oasis, stats = run_with_perfect_draft(llm, prompts, quest, params)
+    assert oasis == quest
+    assert stats["draft_accuracy"] == 1.0 and stats["kv_miss_fetched_blocks"] > 0  # misses happened, and were fetched
 
 
 class RecordingSampler:

@@ -74,6 +74,10 @@ class OasisPolicy(TieredPolicy):
         super().__init__(*args, **kw)
         layers, rows = self.pool.kv.shape[0], self.ws.rows
         self.fetch_cap_blocks = self.cfg.fetch_blocks(self.block_size)
+        # every miss fetched: the "fetch" policy, and a cap of 1 (fetch-all: nothing x_t selects is left out, so with
+        # a perfect draft oasis gives quest's tokens; a perfect draft token alone leaves misses, as the draft row's
+        # query is computed over x_t's selection, not its own)
+        self.fetch_every_miss = self.cfg.miss_policy == "fetch" or self.cfg.fetch_cap >= 1
         self.predicted = torch.zeros(layers, rows, self.ws.max_blocks + 1, dtype=torch.bool, device=self.pool.kv.device)
         self.most_prefetched = torch.zeros(self.LANES, dtype=torch.int64, device=self.pool.kv.device)
         self.predicted_at: dict[int, int] = {}  # row -> step of its latest prediction
@@ -295,12 +299,12 @@ class OasisPolicy(TieredPolicy):
 
     def fetches(self, dense: bool) -> bool:
         """Whether resident_selection fetches misses in this layer: cold-start ones, or all of them (the "fetch"
-        policy, dense layers)."""
-        return dense or self.cfg.miss_policy == "fetch" or self.any_cold
+        policy, a cap of 1, dense layers)."""
+        return dense or self.fetch_every_miss or self.any_cold
 
     def fills(self, dense: bool) -> bool:
         """Whether resident_selection puts resident blocks in the places of misses left out (the "fill" policy)."""
-        return not dense and self.cfg.miss_policy == "fill"
+        return not dense and self.cfg.miss_policy == "fill" and not self.fetch_every_miss
 
     def resident_selection(self, layer, q, dense,
                            draft: DraftWrite | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -338,7 +342,7 @@ class OasisPolicy(TieredPolicy):
                          self.layer_counts[0], self.residency_counters, layer, opened, draft)
         if not self.fetches(dense):  # misses are left out
             return attended, selection, scores, draft_scores
-        fetch_all = dense or self.cfg.miss_policy == "fetch"
+        fetch_all = dense or self.fetch_every_miss
         fetch_rows = torch.ones_like(self.cold) if fetch_all else self.cold
         resident = attended[:, :-1]
         need = torch.where((selection >= 0) & (resident < 0) & fetch_rows[:, None], selection, -1)
@@ -357,7 +361,7 @@ class OasisPolicy(TieredPolicy):
         width = scores.shape[1]
         _, listed = self.select_by(scores, self.cfg.shortlist_blocks(budget), count=False)
         if self.fetches(dense=False):
-            rows = torch.ones_like(self.cold) if self.cfg.miss_policy == "fetch" else self.cold
+            rows = torch.ones_like(self.cold) if self.fetch_every_miss else self.cold
             resident = self.ws.table(layer, self.rows, width).gather(1, listed.long().clamp(min=0)) >= 0
             with self.timer("gather"):
                 fetched, _ = self.fetch(layer, torch.where((listed >= 0) & ~resident & rows[:, None], listed, -1),
