@@ -106,6 +106,19 @@ def test_eval_command_end_to_end(tmp_path, capsys):
     assert out_png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_oasis_with_a_budget_at_the_context_has_no_agreement_row(tmp_path):
+    """Every block attended: no prediction, no agreement (None). The eval multiplied it and stopped after dense."""
+    from oasiskv.cli import main
+
+    out_json = tmp_path / "eval.json"
+    with shared_weights():
+        main(["eval", "--quick", "--corpus", "sample", "--context", "256", "--kv-budget", "512", "--modes", "oasis",
+              "--tasks", "ppl", "--windows", "1", "--scored", "8", "--json", str(out_json)])
+    results = json.loads(out_json.read_text())["results"]
+    oasis = {(r["task"], r["metric"]): r["value"] for r in results if r["mode"] == "oasis"}
+    assert oasis[("ppl", "top1_agree")] == 100 and ("lookahead", "agreement") not in oasis
+
+
 def test_eval_rejects_a_context_beyond_the_model_before_loading_it(monkeypatch):
     """A context past the model's 8192 tokens would size a pool for it (terabytes at 10^8): a clear error first."""
     from oasiskv.cli import main

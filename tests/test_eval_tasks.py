@@ -82,6 +82,12 @@ def test_common_words_answers_are_the_most_frequent(haystack):
         assert all(w.isalpha() and len(w) <= 7 for w in listed)
 
 
+def test_the_common_words_are_whole_lowercase_words():
+    """A capital's remainder ("Lucas" -> "ucas") or an elision's stem ("don't" -> "don") was a listed word."""
+    doc = "Lucas went to Monday's market; don't fret, white whales. Whales swim."
+    assert Haystack([doc], ByteTokenizer()).vocabulary() == ["fret", "market", "swim", "went", "whales", "white"]
+
+
 def test_insert_sentences_keeps_order_and_depth():
     text = "One. Two. Three. Four."
     assert insert_sentences(text, ["A.", "B."], [0.0, 1.0]) == "A. One. Two. Three. Four. B."

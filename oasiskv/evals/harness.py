@@ -214,9 +214,11 @@ def run_variant(llm, v: Variant, tasks, inputs, settings, references, context, l
     if scores:
         rows.append(row(context, v, "synthetic", "mean_score", sum(scores) / len(scores)))
     stats = llm.engine.stats_dict()
-    if "kv_agreement" in stats:  # lookahead modes: block agreement of the prediction, per layer too
+    # lookahead modes: block agreement of the prediction, per layer too (None where no block was judged: a budget
+    # at the context attends to every block and predicts nothing)
+    if stats.get("kv_agreement") is not None:
         r = row(context, v, "lookahead", "agreement", 100.0 * stats["kv_agreement"])
-        r["per_layer"] = [100.0 * a for a in stats.get("kv_agreement_per_layer", [])]
+        r["per_layer"] = [None if a is None else 100.0 * a for a in stats.get("kv_agreement_per_layer", [])]
         rows.append(r)
     rows.append(row(context, v, "run", "seconds", time.perf_counter() - t0))
     return rows, produced

@@ -41,11 +41,11 @@ class Haystack:
 
     def vocabulary(self) -> list[str]:
         """Distinct lowercase alphabetic words of 4+ letters in the corpus, sorted (for the common-words
-        task)."""
+        task). Whole words only: "Lucas" gave "ucas" and "don't" gave "don"."""
         if self._vocabulary is None:
             words = set()
             for doc in self.documents:
-                words.update(w for w in re.findall(r"[a-z]+", doc) if len(w) >= 4)
+                words.update(w for w in re.findall(r"(?<![A-Za-z'])[a-z]+(?![A-Za-z'])", doc) if len(w) >= 4)
             self._vocabulary = sorted(words)
         return self._vocabulary
 
