@@ -136,6 +136,8 @@ def test_aborting_a_request_in_flight_leaves_the_others_alone(tmp_path, mode):
     while engine.has_unfinished():
         engine.step()
     assert engine.requests["3"].finish_reason == "abort" and engine.requests["3"].output_token_ids == kept
+    assert engine.requests["3"].finish_time is not None
+    assert engine.requests["3"].output_text == engine.tokenizer.decode(kept)  # the text so far, as vLLM's
     assert {rid: engine.requests[rid].output_token_ids for rid in expected} == expected
 
 

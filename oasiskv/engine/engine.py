@@ -235,6 +235,8 @@ class LLMEngine:
             self.release_draft(request_id)
             self.sampler.forget(request_id)
             req.kv_stats = self.policy.request_stats(request_id)
+            req.finish_time = time.perf_counter()
+            req.output_text = self.tokenizer.decode(req.output_token_ids)  # as vLLM: the text so far
 
     def discard(self, request_ids: list[str]) -> None:
         """Abort and forget these requests: what a caller's step loop does after an error or an interrupt, so
