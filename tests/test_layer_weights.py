@@ -158,3 +158,19 @@ def test_the_benchmarks_warm_up_reaches_a_context_where_every_layer_selects():
     assert llm.engine.config.kv.largest_budget(30, 16) == 400 == 16 * max(policy.layer_budget_blocks)
     warm_up(llm.engine, input_len=4096, steps=2, seed=0)
     assert not any(policy.is_dense_layer(layer) for layer in range(30))
+
+
+def test_sparse_layers_before_dense_last_layers_are_still_predicted():
+    """Weights that make the last two layers attend densely (their budget covers the context): the group of sparse
+    layers before them ended at a dense layer, which made no prediction, so it was dropped at the next step's begin
+    (no block of layers 24-27 was ever prefetched; a helper's differential test found it)."""
+    from oasiskv.api import SamplingParams
+    from oasiskv.evals.texts import load_corpus
+
+    llm = LLM(show_progress=False, kv_mode="oasis", kv_budget=96, sink_blocks=1, local_blocks=1, kv_cache_gb=0.3,
+              host_kv_gb=0.1, fetch_cap=0.5, layer_weights=((28, 3.0), (29, 3.0)))
+    text = " ".join(load_corpus("sample")[0].split()[:160])
+    llm.generate(text, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    agreement = llm.engine.stats_dict()["kv_agreement_per_layer"]
+    assert agreement[28:] == [None, None]  # dense: no prediction to judge
+    assert all(a is not None and a > 0.5 for a in agreement[:28]), agreement

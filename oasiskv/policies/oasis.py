@@ -248,11 +248,13 @@ class OasisPolicy(TieredPolicy):
             self.spill_full_tails(layer, tail_slots)
         if not dense:
             self.waiting.append((layer, draft_scores))
-            if layer in self.group_ends and self.deferring and layer >= self.tail_from:
-                self.deferred.append(self.waiting)
-                self.waiting = []
-            elif layer in self.group_ends:
-                self.predict_and_prefetch(self.rows_now)
+        # a group may end at a dense layer (one whose budget covers the context): the sparse layers waiting before
+        # it are predicted there, not dropped at the next step's begin
+        if layer in self.group_ends and self.waiting and self.deferring and layer >= self.tail_from:
+            self.deferred.append(self.waiting)
+            self.waiting = []
+        elif layer in self.group_ends and self.waiting:
+            self.predict_and_prefetch(self.rows_now)
         self.flush_counts(layer)
 
     def attend_with_draft(self, layer, q, out, attended, dense) -> None:
