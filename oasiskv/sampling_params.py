@@ -158,8 +158,8 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def choices(self) -> list["SamplingParams"]:
-        """One request's params per choice: n 1, choice i seeded seed + i (unseeded choices draw from the engine's
-        generator, one after another)."""
+        """One request's params per choice: n 1, choice i seeded seed + i (an unseeded choice's generator is seeded
+        from the engine's seed source at its first draw: engine/sampler.py)."""
         if self.n == 1:
             return [self]
         return [dataclasses.replace(self, n=1, best_of=None, seed=None if self.seed is None else self.seed + i)

@@ -210,3 +210,23 @@ def test_the_cli_flag_reaches_the_config(flags, want):
 def test_the_default_engine_on_the_cpu_runs_synchronously(tmp_path):
     engine = tiny_engine(tmp_path, "dense", None)
     assert engine.async_scheduling is False and engine.stats_dict()["async_scheduling"] is False
+
+
+def test_unseeded_draws_are_those_of_the_synchronous_run_after_a_stop_token():
+    """A request stopped by a token runs one step more, whose draw came from the shared generator: the unseeded
+    requests sampled after it got other tokens than without async scheduling (a helper's differential test)."""
+    from oasiskv.api import LLM, SamplingParams
+
+    def run(async_scheduling: bool):
+        llm = LLM(show_progress=False, kv_mode="dense", kv_cache_gb=0.2, async_scheduling=async_scheduling)
+        tok = llm.get_tokenizer()
+        stop = [tok.encode(",")[0], tok.encode(" the")[0]]
+        a = llm.generate("It is a truth universally acknowledged, that a single man in possession of a good fortune",
+                         SamplingParams(temperature=1.0, max_tokens=25, stop_token_ids=stop), use_tqdm=False)
+        b = llm.generate("The capital of France is", SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True),
+                         use_tqdm=False)
+        return a[0].outputs[0], b[0].outputs[0].token_ids
+
+    (a_sync, b_sync), (a_async, b_async) = run(False), run(True)
+    assert a_sync.finish_reason == "stop" and a_sync.token_ids == a_async.token_ids  # it stopped on a token
+    assert b_async == b_sync

@@ -1,6 +1,8 @@
-"""Token sampling: greedy, temperature, top-k, top-p; per-request seeded generators so a seeded
-request draws the same tokens whatever else shares its batch."""
+"""Token sampling: greedy, temperature, top-k, top-p; a generator per sampled request (seeded by the request, or
+from the engine's seed), so a request draws the same tokens whatever else shares its batch."""
 from __future__ import annotations
+
+import random
 
 import torch
 
@@ -54,15 +56,17 @@ class Sampler:
 
     def __init__(self, device: torch.device, seed: int):
         self.device = device
-        self.default_generator = torch.Generator(device=device).manual_seed(seed)
+        # each sampled request draws from its own generator; an unseeded one's is seeded from this source at its
+        # first draw, so no request's draws move another's (async scheduling's extra step for a request that
+        # stopped draws from that request's generator alone)
+        self.seed_source = random.Random(seed)
         self.generators: dict[str, torch.Generator] = {}
         self.prompt_seen: dict[str, torch.Tensor] = {}  # request -> its prompt's token mask (repetition penalty)
 
     def generator_for(self, request_id: str, params: SamplingParams) -> torch.Generator:
-        if params.seed is None:
-            return self.default_generator
         if request_id not in self.generators:
-            self.generators[request_id] = torch.Generator(device=self.device).manual_seed(params.seed)
+            seed = self.seed_source.getrandbits(63) if params.seed is None else params.seed
+            self.generators[request_id] = torch.Generator(device=self.device).manual_seed(seed)
         return self.generators[request_id]
 
     def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
@@ -79,7 +83,7 @@ class Sampler:
             logits = self.adjusted(logits, request_ids, params, histories)
         if all(p.greedy for p in params):
             return torch.argmax(logits, dim=-1)
-        return torch.stack([draw_row(logits[i], p, self.generator_for(rid, p))
+        return torch.stack([draw_row(logits[i], p, None if p.greedy else self.generator_for(rid, p))
                             for i, (rid, p) in enumerate(zip(request_ids, params))])
 
     def adjusted(self, logits, request_ids, params, histories) -> torch.Tensor:
