@@ -83,8 +83,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(0: none)")
     o = p.add_argument_group("oasis lookahead (--kv-mode oasis)")
     o.add_argument("--fetch-cap", type=float, default=KV_DEFAULTS.fetch_cap,
-                   help="at most this share of the budget prefetched per request per layer per step (1: fetch-all, no cap, "
-                        "and the blocks a step selects that were not prefetched are fetched too, whatever "
+                   help="at most this share of the budget prefetched per request per layer per step (1: fetch-all, "
+                        "no cap, and the blocks a step selects that were not prefetched are fetched too, whatever "
                         "--miss-policy says)")
     o.add_argument("--draft", default=KV_DEFAULTS.draft, choices=DRAFTS,
                    help="where the lookahead token comes from: ngram (prompt lookup), repeat, eagle3 (an EAGLE-3 head: "

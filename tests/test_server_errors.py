@@ -116,7 +116,8 @@ BAD_CHATS = [
 ]
 PARAMS = {"token id out of range": "prompt", "echoed token id out of range": "prompt", "a lone surrogate": "prompt",
           "logit_bias beyond the vocabulary": "logit_bias", "min_tokens above max_tokens": "min_tokens",
-          "min_p above 1": "min_p", "seed beyond torch's range": "seed", "top_logprobs without logprobs": "top_logprobs",
+          "min_p above 1": "min_p", "seed beyond torch's range": "seed",
+          "top_logprobs without logprobs": "top_logprobs",
           "suffix": "suffix", "best_of beyond n": "best_of", "guided_choice": "guided_choice", "priority": "priority",
           "documents": "documents", "reasoning_effort": "reasoning_effort", "prompt too long": "prompt",
           "chat prompt too long": "messages", "huge max_tokens": "max_tokens", "seed beyond int64": "seed"}
@@ -248,3 +249,12 @@ def test_a_port_that_cannot_be_listened_on_fails_before_weights_load(command, mo
         cli.main([command, "--port", "70000", *extra])
     with pytest.raises(SystemExit, match="cannot listen on no-such-host.invalid"):
         cli.main([command, "--host", "no-such-host.invalid", "--port", "0", *extra])
+
+
+def test_chat_options_on_completions_are_ignored_as_vllm_ignores_them(served):
+    """add_generation_prompt and friends are chat's fields; on /v1/completions vLLM ignores them as unknown."""
+    url, _ = served
+    with httpx.Client(base_url=url, timeout=60) as client:
+        r = client.post("/v1/completions", json={**GOOD, "add_generation_prompt": False,
+                                                 "chat_template_kwargs": {"enable_thinking": False}})
+        assert r.status_code == 200, r.text

@@ -236,7 +236,8 @@ def report_failures(summary: dict) -> None:
     for error in errors[:3]:
         print(f"failed request: {error}", file=sys.stderr)
     if summary["completed"] == 0:
-        raise SystemExit(f"error: all {summary['failed']} requests failed; the first error: {errors[0] if errors else '?'}")
+        first = errors[0] if errors else "?"
+        raise SystemExit(f"error: all {summary['failed']} requests failed; the first error: {first}")
 
 
 if __name__ == "__main__":

@@ -103,7 +103,8 @@ def check_flags(args: argparse.Namespace, config: EngineConfig) -> None:
     else:
         if args.plot:
             raise SystemExit("error: --plot draws --modes or a sweep; a single mode (--kv-mode) prints its table")
-        check_output_path(args.json or args.out, "--json" if args.json else "--out")
+        if not args.json:  # (the CLI checked --json already)
+            check_output_path(args.out, "--out")
 
 
 def batch_sizes(text: str) -> list[int | str]:

@@ -44,9 +44,13 @@ class ServerState:
     def token_str(self, token_id: int) -> str:
         """One token as text, special tokens included (the strings logprobs and /tokenize show)."""
         if token_id not in self.token_strs:
-            hf = getattr(self.tokenizer, "hf", None)
-            self.token_strs[token_id] = hf.decode([token_id]) if hf is not None else self.tokenizer.decode([token_id])
+            self.token_strs[token_id] = self.decode_with_specials([token_id])
         return self.token_strs[token_id]
+
+    def decode_with_specials(self, ids: list[int]) -> str:
+        """The text of `ids` with special tokens kept (the engine's decode drops them from generated text)."""
+        hf = getattr(self.tokenizer, "hf", None)
+        return hf.decode(ids) if hf is not None else self.tokenizer.decode(ids)
 
 
 def default_model_name(engine) -> str:
@@ -140,8 +144,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     async def detokenize(body: DetokenizeRequest):
         state.check_model(body.model)
         check_token_ids(body.tokens, state.engine.model_config.vocab_size, "tokens")
-        hf = getattr(state.tokenizer, "hf", None)  # special tokens kept, as vLLM's: /tokenize's ids round-trip
-        return {"prompt": hf.decode(body.tokens) if hf is not None else state.tokenizer.decode(body.tokens)}
+        return {"prompt": state.decode_with_specials(body.tokens)}  # as vLLM's: /tokenize's ids round-trip
 
     @app.get("/version")
     async def version():

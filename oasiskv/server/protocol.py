@@ -56,8 +56,7 @@ UNSUPPORTED_FIELDS = {
     "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
     "response_format": (None, {"type": "text"}), "logits_processors": (None, []), "tool_choice": (None, "none", "auto"),
     "prompt_logprobs": (None,),
-    "length_penalty": (None, 1, 1.0), "chat_template": (None,), "chat_template_kwargs": (None, {}),
-    "add_generation_prompt": (None, True), "continue_final_message": (None, False),
+    "length_penalty": (None, 1, 1.0), "chat_template": (None,),
     "priority": (None, 0), "documents": (None, []), "reasoning_effort": (None,), "mm_processor_kwargs": (None, {}),
     "prompt_embeds": (None,), "echo": (None, False),  # (completions declare echo; chat's is the extra)
     # SamplingParams' own: skip_special_tokens, detokenize, bad_words, ... at the values that change nothing
