@@ -35,7 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from oasiskv.kernels.block_select import _check_multi_args, _check_parts, _check_values, _checks_values
+from oasiskv.kernels.block_select import _check_multi_args, _check_parts, _check_values
+from oasiskv.kernels.value_checks import checks_values
 
 __all__ = ["RADIUS_WEIGHT", "block_mass_scores_multi", "block_mass_scores_multi_reference", "scores_from_logits"]
 
@@ -249,7 +250,7 @@ def block_mass_scores_multi(q: torch.Tensor, summaries: torch.Tensor, block_tabl
         return block_mass_scores_multi_reference(q, summaries, block_tables, num_blocks, scale, parts)
     _check_multi_args(q, summaries, block_tables, num_blocks)
     _check_parts(summaries, parts, _BLOCK_N)
-    if _checks_values(check_values, q.device):
+    if checks_values(check_values, q.device):
         _check_values(summaries, block_tables, num_blocks, "num_blocks", parts)
     return _launch(q, summaries, block_tables, num_blocks, scale, parts)
 

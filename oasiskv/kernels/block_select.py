@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from oasiskv.kernels.value_checks import checks_values
+
 __all__ = ["block_scores", "block_scores_multi", "block_scores_multi_reference", "block_scores_reference"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -207,10 +209,6 @@ def _check_values(summaries, block_tables, num_blocks, num_blocks_name, parts: i
         )
 
 
-def _checks_values(check_values: bool | None, device: torch.device) -> bool:
-    return check_values if check_values is not None else device.type != "cuda"
-
-
 def block_scores_reference(
     q: torch.Tensor,
     summaries: torch.Tensor,
@@ -296,7 +294,7 @@ def block_scores(
         return block_scores_reference(q, summaries, block_tables, num_blocks_per_seq, parts)
     _check_args(q, summaries, block_tables, num_blocks_per_seq)
     _check_parts(summaries, parts)
-    if _checks_values(check_values, q.device):
+    if checks_values(check_values, q.device):
         _check_values(summaries, block_tables, num_blocks_per_seq[None], "num_blocks_per_seq", parts)
     return _launch_scores(q[None], summaries, block_tables, num_blocks_per_seq[None], parts)[0]
 
@@ -330,7 +328,7 @@ def block_scores_multi(
         return block_scores_multi_reference(q, summaries, block_tables, num_blocks, parts)
     _check_multi_args(q, summaries, block_tables, num_blocks)
     _check_parts(summaries, parts)
-    if _checks_values(check_values, q.device):
+    if checks_values(check_values, q.device):
         _check_values(summaries, block_tables, num_blocks, "num_blocks", parts)
     return _launch_scores(q, summaries, block_tables, num_blocks, parts)
 

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from oasiskv.kernels.selection_rule import _check_select_args, _check_select_values, select_blocks_padded
+from oasiskv.kernels.value_checks import check_range, checks_values
 
 __all__ = ["select_blocks_fused", "plan_prefetch_reference", "predict_prefetch",
            "predict_prefetch_reference", "blocks_mask"]
@@ -138,18 +139,22 @@ def _warps(block: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------- residency
-def _residency(rows_of: int, device, resident=None, slot_of=None, layer_of=None, rows=None):
-    """(table, layer_of, rows, strides (layer, row, block), indexed, slots) for the kernels; checks."""
+def _residency(rows_of: int, width: int, device, resident=None, slot_of=None, layer_of=None, rows=None):
+    """(table, layer_of, rows, strides (layer, row, block), indexed, slots) for the kernels; checks. `width`: the
+    scores' N, the blocks whose residency the kernels read."""
     if (resident is None) == (slot_of is None):
         raise ValueError("give either resident (bool [R, N]) or slot_of with layer_of and rows")
     if resident is not None:
-        if resident.dim() != 2 or resident.dtype != torch.bool or resident.shape[0] != rows_of:
-            raise ValueError(f"resident must be bool [R={rows_of}, N], got {resident.dtype} {tuple(resident.shape)}")
+        if resident.dim() != 2 or resident.dtype != torch.bool or resident.shape[0] != rows_of \
+                or resident.shape[1] < width:
+            raise ValueError(f"resident must be bool [R={rows_of}, N>={width}], got {resident.dtype} "
+                             f"{tuple(resident.shape)}")
         if resident.device != device:
             raise ValueError(f"resident is on {resident.device}, scores on {device}")
         return resident, resident, resident, (0, resident.stride(0), resident.stride(1)), False, False
-    if slot_of.dim() != 3 or slot_of.dtype != torch.int32:
-        raise ValueError(f"slot_of must be int32 [layers, rows, blocks], got {slot_of.dtype} {tuple(slot_of.shape)}")
+    if slot_of.dim() != 3 or slot_of.dtype != torch.int32 or slot_of.shape[2] < width:
+        raise ValueError(f"slot_of must be int32 [layers, rows, blocks>={width}], got {slot_of.dtype} "
+                         f"{tuple(slot_of.shape)}")
     for name, t in (("layer_of", layer_of), ("rows", rows)):
         if t is None or t.dim() != 1 or t.shape[0] != rows_of or t.is_floating_point():
             raise ValueError(f"{name} must be an integer [R={rows_of}] tensor, got "
@@ -157,6 +162,9 @@ def _residency(rows_of: int, device, resident=None, slot_of=None, layer_of=None,
     for name, t in (("slot_of", slot_of), ("layer_of", layer_of), ("rows", rows)):
         if t.device != device:
             raise ValueError(f"{name} is on {t.device}, scores on {device}")
+    if checks_values(None, device):  # on CPU tensors: a sync per call on CUDA
+        check_range("layer_of", layer_of, 0, slot_of.shape[0])
+        check_range("rows", rows, 0, slot_of.shape[1])
     return slot_of, layer_of.contiguous(), rows.contiguous(), slot_of.stride(), True, True  # kernels read [i]
 
 
@@ -231,7 +239,7 @@ def plan_prefetch_reference(scores: torch.Tensor, prediction: torch.Tensor, cap:
     order places them in the working set's slots), -1 after. Residency: `resident` bool [R, N], or `slot_of`
     read at [layer_of[r], rows[r]]."""
     _check_prediction(scores, prediction, cap)
-    _residency(len(scores), scores.device, resident, slot_of, layer_of, rows)
+    _residency(len(scores), scores.shape[1], scores.device, resident, slot_of, layer_of, rows)
     ids = prediction.clamp(min=0).long()
     score = scores.float().gather(1, ids)
     wanted = (prediction >= 0) & ~_resident_of(ids, resident, slot_of, layer_of, rows) & ~score.isnan()
@@ -276,7 +284,7 @@ def predict_prefetch(scores: torch.Tensor, num_blocks_per_seq: torch.Tensor, bud
     if cap < 1:
         raise ValueError(f"cap must be >= 1, got {cap}")
     residency_args = dict(resident=resident, slot_of=slot_of, layer_of=layer_of, rows=rows)
-    residency = _residency(rows_of, scores.device, **residency_args)
+    residency = _residency(rows_of, max_blocks, scores.device, **residency_args)
     k = min(budget_blocks, max_blocks)
     if not _fits(scores.device, max_blocks, k) or rows_of == 0 or k == 0:
         return predict_prefetch_reference(scores, num_blocks_per_seq, budget_blocks, sink_blocks, local_blocks,

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from oasiskv.kernels.value_checks import check_range, interpreted
+
 __all__ = ["write_kv_slots", "write_kv_reference"]
 
 _TILE_ELEMENTS = 4096  # values a program per tensor: 4 rows of qwen3-8b's 8 x 128, 21 of SmolLM2's 3 x 64
@@ -40,11 +42,17 @@ def _write_kv_kernel(kv_ptr, k_ptr, v_ptr, blocks_ptr, offsets_ptr, T, s_blk, s_
 
 def write_kv_slots(kv_layer: torch.Tensor, slot_blocks: torch.Tensor, slot_offsets: torch.Tensor,
                    k: torch.Tensor, v: torch.Tensor) -> None:
-    """Writes k[t] and v[t] at (slot_blocks[t], slot_offsets[t]) of kv_layer (see the module docstring)."""
+    """Writes k[t] and v[t] at (slot_blocks[t], slot_offsets[t]) of kv_layer (see the module docstring). Triton on
+    CUDA tensors and under TRITON_INTERPRET=1, else the torch twin."""
     _check(kv_layer, slot_blocks, slot_offsets, k, v)
     tokens = k.shape[0]
     if tokens == 0:
         return
+    if not kv_layer.is_cuda:  # the slots are trusted by the kernel: checked where that costs no sync
+        check_range("slot_blocks", slot_blocks, 0, kv_layer.shape[0])
+        check_range("slot_offsets", slot_offsets, 0, kv_layer.shape[2])
+        if not interpreted():  # no Triton driver on a CPU: the torch twin
+            return write_kv_reference(kv_layer, slot_blocks, slot_offsets, k, v)
     row = k.shape[1] * k.shape[2]
     block_row = triton.next_power_of_2(row)
     per_program = max(1, _TILE_ELEMENTS // block_row)

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from oasiskv.kernels.device_info import num_sms
+from oasiskv.kernels.value_checks import check_range, check_table_reads, checks_values
 
 __all__ = [
     "paged_decode_attention",
@@ -284,6 +285,16 @@ def _check_inputs(q, kv_layer, block_tables, seq_lens, out, name):
             raise ValueError(f"{name}: out is on {out.device} but q is on {q.device}")
 
 
+def _check_values(kv_layer, block_tables, seq_lens) -> None:
+    """seq_lens within [1, the table's capacity]; the table entries of the blocks they cover within the pool."""
+    block_size, max_blocks = kv_layer.shape[2], block_tables.shape[1]
+    check_range("paged_decode_attention: seq_lens", seq_lens, 1, max_blocks * block_size + 1)
+    nblocks = (seq_lens.long() + block_size - 1) // block_size
+    j = torch.arange(max_blocks, device=block_tables.device)
+    logical = torch.where(j[None, :] < nblocks[:, None], j[None, :], -1)
+    check_table_reads("paged_decode_attention: block_tables", block_tables, logical, kv_layer.shape[0])
+
+
 def _shape(t):
     return tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
 
@@ -330,6 +341,7 @@ def paged_decode_attention(
     *,
     max_seq_len: int | None = None,
     partition_size: int | None = None,
+    check_values: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention of one query token per sequence over its paged KV (Triton).
 
@@ -343,6 +355,8 @@ def paged_decode_attention(
         It only shapes the split count: a value below the true max is still correct
         (the last split takes the rest), just slower.
       partition_size: force tokens per split (tests); default from choose_partition().
+      check_values: check seq_lens and the table entries they reach (a device->host sync on CUDA); default: on
+        CPU tensors only (kernels/value_checks.py).
 
     CUDA tensors run the compiled kernels; CPU tensors run only under TRITON_INTERPRET=1.
     """
@@ -352,6 +366,8 @@ def paged_decode_attention(
             f"paged_decode_attention: {q.device.type} tensors need the Triton interpreter (TRITON_INTERPRET=1 set "
             "before oasiskv.kernels.paged_decode is imported); use paged_decode_reference on the CPU"
         )
+    if checks_values(check_values, q.device):
+        _check_values(kv_layer, block_tables, seq_lens)
 
     batch, q_heads, head_dim = q.shape
     _, _, block_size, kv_heads, _ = kv_layer.shape

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from oasiskv.kernels.value_checks import check_range, checks_values
+
 __all__ = ["fp8_key_copy", "listed_mass", "shortlist_block_lse", "shortlist_block_lse_reference"]
 
 
@@ -75,6 +77,10 @@ def shortlist_block_lse(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.T
     _check_fp8(kv_layer, fp8_keys)
     bsz, hq, d = q.shape
     _, _, block, hkv, _ = kv_layer.shape
+    if block & (block - 1):
+        raise ValueError(f"the block size must be a power of two, got {block}")
+    if checks_values(None, q.device):  # on CPU tensors (the interpreter): a sync per call on CUDA
+        _check_values(kv_layer, tables, listed)
     width = listed.shape[1]
     out = torch.empty(bsz, hq, width, dtype=torch.float32, device=q.device)
     if bsz == 0 or width == 0:
@@ -151,6 +157,9 @@ def _check(q, kv_layer, tables, listed, seq_lens) -> None:
                          f"{tuple(q.shape)} and {tuple(kv_layer.shape)}")
     bsz, hq, d = q.shape
     hkv = kv_layer.shape[3]
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or kv_layer.dtype != q.dtype:
+        raise ValueError(f"q and kv_layer must share one of float16, bfloat16, float32; got {q.dtype} and "
+                         f"{kv_layer.dtype}")
     if hq % hkv or kv_layer.shape[4] != d:
         raise ValueError(f"q [B, {hq}, {d}] does not fit kv_layer's {hkv} KV heads x head_dim {kv_layer.shape[4]}")
     for name, t, dims in (("tables", tables, 2), ("listed", listed, 2), ("seq_lens", seq_lens, 1)):
@@ -161,6 +170,15 @@ def _check(q, kv_layer, tables, listed, seq_lens) -> None:
         raise ValueError("q and kv_layer must be on one device and contiguous along head_dim")
     if tables.stride(1) != 1 or listed.stride(1) != 1:
         raise ValueError("tables and listed must be contiguous along their last dimension")
+
+
+def _check_values(kv_layer, tables, listed) -> None:
+    """Listed ids within the tables' width; their entries within the pool or -1 (a block not on the GPU)."""
+    chosen = listed >= 0
+    check_range("listed block ids", listed[chosen], 0, tables.shape[1])
+    rows = torch.arange(len(tables), device=tables.device)[:, None].expand_as(listed)
+    check_range("tables entries of listed blocks", tables[rows[chosen], listed[chosen].long()], -1,
+                kv_layer.shape[0])
 
 
 def _check_fp8(kv_layer, fp8_keys) -> None:

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from oasiskv.kernels.value_checks import interpreted
+
 __all__ = ["silu_mul", "silu_mul_reference"]
 
 _BLOCK = 1024  # values a program: one row's chunk
@@ -34,8 +36,11 @@ def _silu_mul_kernel(out_ptr, gate_ptr, up_ptr, s_g, s_u, I, BLOCK: tl.constexpr
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up for gate, up [T, I] of one float dtype on one device (see the module docstring)."""
+    """SiLU(gate) * up for gate, up [T, I] of one float dtype on one device (see the module docstring). Triton on
+    CUDA tensors and under TRITON_INTERPRET=1, else the torch reference."""
     _check(gate, up)
+    if not gate.is_cuda and not interpreted():  # no Triton driver on a CPU
+        return silu_mul_reference(gate, up)
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if out.numel() == 0:
         return out

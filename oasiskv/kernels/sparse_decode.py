@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from oasiskv.kernels.device_info import num_sms
+from oasiskv.kernels.value_checks import check_range, checks_values
 
 __all__ = ["sparse_decode_attention", "sparse_decode_attention_padded", "sparse_decode_padded_reference",
            "sparse_decode_reference"]
@@ -198,6 +199,8 @@ def _check_inputs(q, kv_layer, block_tables, sel_indptr, sel_indices, seq_lens, 
         raise ValueError(f"Hq ({Hq}) must be a multiple of Hkv ({Hkv})")
     if block_size <= 0 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
     if kv_layer.dtype != q.dtype:
         raise ValueError(f"dtype mismatch: q is {q.dtype}, kv_layer is {kv_layer.dtype}")
     if any(st != want for st, want, n in zip(kv_layer.stride()[1:], (block_size * Hkv * D, Hkv * D, D, 1),
@@ -237,6 +240,21 @@ def _check_inputs(q, kv_layer, block_tables, sel_indptr, sel_indices, seq_lens, 
                 f"out must be {(B, Hq, D)} {q.dtype} on {q.device}, "
                 f"got {tuple(out.shape)} {out.dtype} on {out.device}")
     return B, Hq, D, block_size, Hkv
+
+
+def _check_values(kv_layer, block_tables, table_rows, seq_of, ids, seq_lens, num_queries: int) -> None:
+    """The kernel loads the table entry of every selected id (seq_of: the sequence of each), and the K/V of those
+    that hold a token its last query sees: ids within the table's width, those entries within the pool."""
+    if table_rows is not None:
+        check_range("table_rows", table_rows, 0, len(block_tables))
+        row_of = table_rows.long()[seq_of]
+    else:
+        row_of = seq_of
+    chosen = ids >= 0
+    check_range("selected block ids", ids[chosen], 0, block_tables.shape[1])
+    read = chosen & (ids.long() * kv_layer.shape[2] < seq_lens.long()[seq_of] + num_queries - 1)
+    check_range("block_tables entries of selected blocks", block_tables[row_of[read], ids[read].long()], 0,
+                kv_layer.shape[0])
 
 
 def _choose_num_splits(B: int, Hkv: int, nnz: int, blocks_per_iter: int, device) -> int:
@@ -351,6 +369,14 @@ def _launch(q, kv_layer, block_tables, indptr_arg, sel_indices, seq_lens, scale,
         out = torch.empty_like(q)
     if B == 0:
         return out
+    if checks_values(None, q.device):  # on CPU tensors (the interpreter) only: a sync per call on CUDA
+        if not padded and (int(indptr_arg[0]) != 0 or int(indptr_arg[-1]) > sel_indices.numel()
+                           or bool((indptr_arg.diff() < 0).any())):
+            raise ValueError(f"sel_indptr must rise from 0 to at most sel_indices' {sel_indices.numel()} entries, "
+                             f"got {indptr_arg.tolist()}")
+        seq_of = (torch.arange(B, device=q.device).repeat_interleave(indptr_arg) if padded else
+                  torch.repeat_interleave(torch.arange(B, device=q.device), indptr_arg.diff().long()))
+        _check_values(kv_layer, block_tables, table_rows, seq_of, sel_indices[:len(seq_of)], seq_lens, num_queries)
     if sel_indices.numel() == 0:  # nothing selected anywhere: tl.load needs a valid pointer
         out.zero_()
         return out
@@ -436,14 +462,15 @@ def sparse_decode_reference(
             continue
         slots = block_tables[b].long()[logical]
         kv = kv_layer[slots].float()  # [n, 2, bs, Hkv, D]
-        k = kv[:, 0].reshape(-1, Hkv, D)
-        v = kv[:, 1].reshape(-1, Hkv, D)
         valid = ((logical[:, None] * block_size + tok[None, :]) < lens[b]).reshape(-1)
+        if not valid.any():  # a selection with no valid token
+            out[b].zero_()
+            continue
+        # only the valid rows: a slot's stale rows past seq_len may hold anything (0 x inf is NaN)
+        k = kv[:, 0].reshape(-1, Hkv, D)[valid]
+        v = kv[:, 1].reshape(-1, Hkv, D)[valid]
         qb = q[b].float().view(Hkv, group, D)
-        s = torch.einsum("hgd,thd->hgt", qb, k) * scale
-        s = s.masked_fill(~valid, float("-inf"))
-        p = torch.softmax(s, dim=-1)
-        p = torch.nan_to_num(p, nan=0.0)  # a selection with no valid token
+        p = torch.softmax(torch.einsum("hgd,thd->hgt", qb, k) * scale, dim=-1)
         o = torch.einsum("hgt,thd->hgd", p, v)
         out[b] = o.reshape(Hq, D).to(q.dtype)
     return out
