@@ -119,6 +119,34 @@ def test_disaggregated_greedy_equals_single_instance_and_holds_less(cluster):
     assert metric(urls["prefill"], "kv_cache_used_blocks") == 0
 
 
+def test_refused_requests_fail_alone_and_free_the_prefills_kv(cluster):
+    """What the decode instance refuses (logprobs, which the prefill sampled; malformed kv_transfer_params) is a
+    400 for that request alone, and the prefill frees its KV at once, not at its lease's end; what needs no decode
+    (an echo with max_tokens 0) the prefill answers alone; a list of prompts is refused (the params name one)."""
+    _, urls = cluster
+    released = metric(urls["prefill"], "engine_disagg_released_requests_total")
+    with httpx.Client(timeout=300) as http:
+        for extra, param in (({"logprobs": 1}, "logprobs"), ({"prompt": ["a b", "c d"]}, "prompt"),
+                             ({"max_tokens": 0}, "max_tokens")):
+            refused = http.post(urls["proxy"] + "/v1/completions", json={**body(4), **extra})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+        echo = http.post(urls["proxy"] + "/v1/completions", json={**body(0), "echo": True})
+        assert echo.status_code == 200 and echo.json()["choices"][0]["text"] == body(0)["prompt"]
+        first = http.post(urls["prefill"] + "/v1/completions",
+                          json={**body(1), "kv_transfer_params": {"do_remote_decode": True}}).json()
+        bad = {**body(4), "kv_transfer_params": {**first["kv_transfer_params"], "first_token_id": 10**9}}
+        refused = http.post(urls["decode"] + "/v1/completions", json=bad)
+        assert refused.status_code == 400 and "first_token_id" in refused.json()["error"]["message"], refused.text
+        assert http.get(urls["decode"] + "/health").status_code == 200
+        assert http.post(urls["proxy"] + "/v1/completions", json=body(2)).status_code == 200
+    deadline = time.time() + 10
+    while metric(urls["prefill"], "engine_disagg_requests_held") and time.time() < deadline:
+        time.sleep(0.2)
+    assert metric(urls["prefill"], "engine_disagg_requests_held") == 0
+    assert metric(urls["prefill"], "engine_disagg_released_requests_total") == released + 3  # logprobs, bad, body(2)
+    assert metric(urls["prefill"], "engine_disagg_expired_requests_total") == 0
+
+
 def test_killing_prefill_fails_its_request_cleanly_and_decode_survives(cluster):
     procs, urls = cluster
     with httpx.Client(timeout=300) as http:

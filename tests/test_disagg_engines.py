@@ -162,22 +162,132 @@ def test_bad_kv_transfer_params_are_refused(config):
     with pytest.raises(ValueError, match="kv_transfer_params its prefill"):
         decode.add_request(ids, GREEDY, "plain")
     prefill = PrefillEngine(config, DisaggConfig(role="prefill"))
-    params = prefilled(prefill, "p", ids)
+    params = {i: prefilled(prefill, f"p{i}", ids) for i in range(3)}  # each refusal frees its prefill's KV
     with pytest.raises(ValueError, match="KV layout"):
         decode.add_request(ids, GREEDY, "x",
-                           kv_transfer_params={**params, "layout": {**params["layout"], "head_dim": 8}})
+                           kv_transfer_params={**params[0], "layout": {**params[0]["layout"], "head_dim": 8}})
     with pytest.raises(ValueError, match="lease"):
-        decode.add_request(ids, GREEDY, "w", kv_transfer_params={**params, "lease_deadline": time.time() - 1})
+        decode.add_request(ids, GREEDY, "w", kv_transfer_params={**params[1], "lease_deadline": time.time() - 1})
     with pytest.raises(ValueError, match="prompt tokens"):
-        decode.add_request(ids[:-1], GREEDY, "y", kv_transfer_params=params)
+        decode.add_request(ids[:-1], GREEDY, "y", kv_transfer_params=params[2])
     with pytest.raises(ValueError, match="max_tokens 1"):
         prefill.add_request(ids, GREEDY, "z", kv_transfer_params={"do_remote_decode": True})
     assert not decode.requests and decode.allocator.num_free == decode.allocator.num_blocks
+    released_soon(prefill, 3)
     with pytest.raises(ValueError, match="--kv-mode oasis"):
         DecodeEngine(config.replace(kv=KVConfig(mode="quest", budget=64)), DisaggConfig(role="decode"))
+
+
+def released_soon(prefill: PrefillEngine, count: int) -> None:
+    """The prefill has freed `count` exports on its decode instance's word (not at their lease's end)."""
+    deadline = time.time() + 10
+    while prefill.exporter.released < count and time.time() < deadline:
+        prefill.exporter.tick()
+        time.sleep(0.05)
+    assert prefill.exporter.released == count and prefill.exporter.expired == 0
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("first_token_id", -1, "first_token_id must be an integer >= 0"),
+    ("first_token_id", 256, "first_token_id must be below the vocabulary's 256"),
+    ("num_tokens", None, "num_tokens must be an integer >= 0"),
+    ("remote_block_ids", [0, -3], "remote_block_ids must be a list of integers >= 0"),
+    ("kv_addr", "0x10", "kv_addr must be an integer >= 0"),
+    ("lease_s", True, "lease_s must be a positive number"),
+])
+def test_malformed_params_fail_alone_and_free_the_prefills_kv(config, key, value, message):
+    """A bad value refused up front (it reached the step before, which then failed every request), the decode
+    instance goes on with the others, and the prefill is told to free the refused request's KV."""
+    ids_list = prompts(2)
+    prefill = PrefillEngine(config, DisaggConfig(role="prefill"))
+    decode = DecodeEngine(config, DisaggConfig(role="decode", remote_cache_blocks=1, local_kv_blocks=48))
+    good, bad = (prefilled(prefill, f"p{i}", ids) for i, ids in enumerate(ids_list))
+    decode.add_request(ids_list[0], GREEDY, "0", kv_transfer_params=good)
+    with pytest.raises(ValueError, match=message):
+        decode.add_request(ids_list[1], GREEDY, "1", kv_transfer_params={**bad, key: value})
+    run(decode)
+    assert decode.requests["0"].output_token_ids == single_instance(config, ids_list[:1])[0]
+    assert list(decode.requests) == ["0"]
+    released_soon(prefill, 2)
+
+
+def test_a_wrong_kv_address_fails_its_request_alone(config):
+    """Found at admission by reading the request's first and last chunks: at a fetch, a failed read means the prefill
+    is gone and fails every request it holds (the good one too, as "the prefill instance ... is gone")."""
+    ids_list = prompts(2)
+    prefill = PrefillEngine(config, DisaggConfig(role="prefill"))
+    decode = DecodeEngine(config, DisaggConfig(role="decode", remote_cache_blocks=0))
+    good, bad = (prefilled(prefill, f"p{i}", ids) for i, ids in enumerate(ids_list))
+    decode.add_request(ids_list[0], GREEDY, "good", kv_transfer_params=good)
+    with pytest.raises(ValueError, match="do not address the prefill's KV"):
+        decode.add_request(ids_list[1], GREEDY, "bad",
+                           kv_transfer_params={**bad, "kv_addr": bad["kv_addr"] + (1 << 40)})
+    run(decode)
+    assert decode.requests["good"].error is None
+    assert decode.requests["good"].output_token_ids == single_instance(config, ids_list[:1])[0]
+    released_soon(prefill, 2)
+
+
+def test_used_params_are_refused(config):
+    """A replay would read KV the prefill may have freed and reused for another prompt."""
+    ids = prompts(1)[0]
+    prefill = PrefillEngine(config, DisaggConfig(role="prefill"))
+    decode = DecodeEngine(config, DisaggConfig(role="decode"))
+    params = prefilled(prefill, "p", ids)
+    decode.add_request(ids, GREEDY, "first", kv_transfer_params=params)
+    with pytest.raises(ValueError, match="were used already"):
+        decode.add_request(ids, GREEDY, "again", kv_transfer_params=params)
+    run(decode)
+    assert decode.requests["first"].output_token_ids == single_instance(config, [ids])[0]
+
+
+def test_full_local_memory_fails_the_request_that_needs_more(config):
+    """Local host memory for spilled tails and cached blocks runs out: the request that needed a chunk fails with
+    the message, and the instance goes on (a MemoryError in the step stopped it for good)."""
+    ids_list = prompts(2)
+    prefill = PrefillEngine(config, DisaggConfig(role="prefill"))
+    decode = DecodeEngine(config, DisaggConfig(role="decode", remote_cache_blocks=1, local_kv_blocks=6))
+    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    for i, ids in enumerate(ids_list):
+        decode.add_request(ids, long, str(i), kv_transfer_params=prefilled(prefill, f"p{i}", ids))
+    run(decode)
+    failed = [r for r in decode.requests.values() if r.error]
+    assert failed and all("local host KV memory is full" in r.error for r in failed)
+    assert decode.remote.chunks.entries_used == 0 and decode.allocator.num_free == decode.allocator.num_blocks
+    later = prompts(3)[2]
+    decode.add_request(later, GREEDY, "later", kv_transfer_params=prefilled(prefill, "later", later))
+    run(decode)
+    assert len(decode.requests["later"].output_token_ids) == GREEDY.max_tokens
 
 
 def test_a_decode_instance_keeps_no_gpu_room_for_prefill_chunks(config):
     chunked = config.replace(scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
     assert LLMEngine(chunked).policy.keep.capacity > 0  # 512-token prompts in 64-token chunks
     assert DecodeEngine(chunked, DisaggConfig(role="decode")).policy.keep.capacity == 0  # it never prefills
+
+
+@pytest.mark.parametrize("lengths", [[1], [65], [40, 25]])
+def test_a_prompts_last_token_alone_is_exported_too(config, lengths):
+    """In 64-token steps a 65-token prompt's last token comes alone, as does the second prompt's of 40 + 25 in one
+    step, and a one-token prompt's only token: each reaches the prefill's host store (it stayed in the GPU tail
+    block, and the decode instance read zeros or stale K/V), as a prefill of each prompt in one piece stores it; the
+    decode instance gives the single instance's tokens."""
+    chunked = config.replace(scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64))
+    g = torch.Generator().manual_seed(3)
+    ids_list = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+    prefill, whole = PrefillEngine(chunked, DisaggConfig(role="prefill")), PrefillEngine(config, DisaggConfig())
+    for engine in (prefill, whole):
+        for i, ids in enumerate(ids_list):  # all in one batch, as a server's concurrent requests
+            engine.add_request(ids, FIRST, f"p{i}", kv_transfer_params={"do_remote_decode": True})
+        run(engine)
+    for i, ids in enumerate(ids_list):
+        kv = [e.host.kv[:, e.exporter.params_of(f"p{i}")["remote_block_ids"]] for e in (prefill, whole)]
+        kv = [x.transpose(2, 3).flatten(1, 2)[:, :len(ids)] for x in kv]  # [layers, tokens, 2, Hkv, D]
+        assert kv[0][:, -1].abs().sum() > 0
+        torch.testing.assert_close(kv[0], kv[1], rtol=1e-4, atol=1e-5)
+    decode = DecodeEngine(chunked, DisaggConfig(role="decode", remote_cache_blocks=1, local_kv_blocks=48))
+    for i, ids in enumerate(ids_list):
+        decode.add_request(ids, GREEDY, str(i), kv_transfer_params=prefill.exporter.params_of(f"p{i}"))
+    run(decode)
+    got = [decode.requests[str(i)].output_token_ids for i in range(len(ids_list))]
+    assert got == single_instance(chunked, ids_list)

@@ -46,12 +46,20 @@ def stand_ins(seen: dict) -> tuple[FastAPI, FastAPI]:
     @decode.post("/v1/completions")
     async def decode_route(request: Request):
         body = seen["decode"] = await request.json()
+        if body.get("prompt") == "slow":  # until the proxy drops the request (or 10 s)
+            for _ in range(100):
+                if await request.is_disconnected():
+                    seen["decode dropped"] = True
+                    break
+                await asyncio.sleep(0.1)
         if not body.get("stream"):
             return {"choices": [{"text": "AB"}], "echo": body}
 
         async def events():
             for piece in ("A", "B"):
                 yield f"data: {json.dumps({'choices': [{'text': piece}]})}\n\n"
+                if body.get("prompt") == "die":
+                    raise RuntimeError("the decode instance dies mid-stream")
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -146,3 +154,44 @@ def test_the_prefill_keeps_min_tokens_to_its_one_token(proxied):
     seen.clear()
     client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5, "min_tokens": 4})
     assert seen["prefill"]["min_tokens"] == 1 and seen["decode"]["min_tokens"] == 4
+
+
+def test_no_token_to_decode_goes_to_the_prefill_alone(proxied):
+    """max_tokens 0 (an echo, or the prefill's own 400): sent on, the prompt's KV would wait at the prefill for a
+    decode that never claims it."""
+    client, seen = proxied
+    for limit in (0, -1):
+        seen.clear()
+        client.post("/v1/completions", json={"prompt": "hi", "max_tokens": limit, "echo": True})
+        assert seen["prefill"]["max_tokens"] == limit and "kv_transfer_params" not in seen["prefill"]
+        assert "decode" not in seen
+
+
+def test_a_first_token_stop_streams_its_usage_when_asked(proxied):
+    client, _ = proxied
+    chat = client.post("/v1/completions", json={"prompt": "stop", "stream": True, "max_tokens": 5,
+                                                "stream_options": {"include_usage": True}})
+    events = [line[6:] for line in chat.text.split("\n") if line.startswith("data: ")]
+    usage_chunk = json.loads(events[-2])
+    assert events[-1] == "[DONE]" and usage_chunk["choices"] == [] and "usage" in usage_chunk
+
+
+def test_a_decode_that_dies_mid_stream_ends_the_stream_with_an_error(proxied):
+    client, _ = proxied
+    response = client.post("/v1/completions", json={"prompt": "die", "max_tokens": 5, "stream": True})
+    events = [line[6:] for line in response.text.split("\n") if line.startswith("data: ")]
+    assert json.loads(events[0])["choices"][0]["text"] == "A"
+    assert events[-1] == "[DONE]" and "failed mid-stream" in json.loads(events[-2])["error"]["message"]
+
+
+def test_a_caller_that_leaves_drops_the_decode_request(proxied):
+    """Not streamed: closing the connection to the decode instance is what aborts the request there."""
+    client, seen = proxied
+    seen.clear()
+    with pytest.raises(httpx.ReadTimeout):
+        client.post("/v1/completions", json={"prompt": "slow", "max_tokens": 5}, timeout=1.0)
+    for _ in range(50):
+        if seen.get("decode dropped"):
+            break
+        asyncio.run(asyncio.sleep(0.1))
+    assert seen.get("decode dropped")

@@ -11,8 +11,9 @@ import logging
 from oasiskv.config import HEAD_DRAFTS, DisaggConfig, EngineConfig
 from oasiskv.disagg.export import layout_of
 from oasiskv.disagg.local import LocalChunks
+from oasiskv.disagg.params import STRINGS, check_transfer_params
 from oasiskv.disagg.remote import RemoteKV, RemoteOasisPolicy
-from oasiskv.disagg.transfer import KVAgent, RemoteKVError
+from oasiskv.disagg.transfer import KVAgent
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.engine.request import RequestStatus
 from oasiskv.lookahead.base import DraftChunk
@@ -43,22 +44,52 @@ class DecodeEngine(LLMEngine):
 
     # -- admission --------------------------------------------------------------------------------------
     def add_request(self, prompt, params, request_id=None, kv_transfer_params: dict | None = None) -> str:
-        if not kv_transfer_params or "remote_agent" not in kv_transfer_params:
+        """A refused request (bad params, no room, a prefill out of reach) raises ValueError and leaves nothing
+        behind here; its prefill instance is told to free the prompt's KV (unless the params were used before)."""
+        if not isinstance(kv_transfer_params, dict) or "remote_agent" not in kv_transfer_params:
             raise ValueError("this is a --role decode instance: a request needs the kv_transfer_params its prefill "
                              "instance returned (send requests through `oasiskv proxy`)")
         p = kv_transfer_params
-        if p.get("layout") != layout_of(self):
-            raise ValueError(f"the prefill instance's KV layout {p.get('layout')} differs from this one's "
-                             f"{layout_of(self)}")
-        rid = super().add_request(prompt, params, request_id)
-        req = self.requests[rid]
+        self.claim(p)
         try:
-            self.admit_prefilled(req, p)
-        except (ValueError, RemoteKVError, MemoryError) as e:
+            rid = super().add_request(prompt, params, request_id)
+        except ValueError:
+            self.remote.give_back(p)
+            raise
+        try:
+            self.admit_prefilled(self.requests[rid], p)
+        except Exception as e:  # anything: a half-admitted request would fail every later step
             self.abort(rid)
             self.pop_finished(rid)
-            raise ValueError(f"could not take over the prefilled request: {e}") from e
+            self.remote.give_back(p)
+            raise ValueError(f"could not take over the prefilled request: {type(e).__name__}: {e}") from e
         return rid
+
+    def claim(self, p: dict) -> None:
+        """Checks the params and marks them used (a replay is refused). Bad params are refused too, and their
+        prefill is told to free the KV where they name it well enough to be told."""
+        try:
+            check_transfer_params(p, self.model_config.vocab_size)
+            if p["layout"] != layout_of(self):
+                raise ValueError(f"the prefill instance's KV layout {p['layout']} differs from this one's "
+                                 f"{layout_of(self)}")
+        except ValueError:
+            self.refuse(p)
+            raise
+        self.remote.claim(p)
+
+    def refuse(self, p) -> None:
+        """A request with these params will not be decoded here (the server refused it before the engine saw it,
+        or its params are bad): its prefill instance is told to free the prompt's KV. Params used before, or too
+        malformed to name a prefill and a request, are left alone."""
+        if not isinstance(p, dict) or not all(isinstance(p.get(k), str) for k in STRINGS) \
+                or not isinstance(p.get("lease_deadline"), (int, float)):
+            return
+        try:
+            self.remote.claim(p)
+        except ValueError:  # a replay: the first use owns the KV
+            return
+        self.remote.give_back(p)
 
     def admit_prefilled(self, req, p: dict) -> None:
         n = len(req.prompt_token_ids)

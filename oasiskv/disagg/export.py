@@ -137,6 +137,7 @@ class PrefillEngine(LLMEngine):
         rid = super().add_request(prompt, params, request_id)
         if kv_transfer_params is not None:
             self.exporter.wanted.add(rid)
+            self.requests[rid].prompt_to_host = True  # exported from the host store, its last token included
         return rid
 
     def append_token(self, req, token: int) -> bool:

@@ -5,6 +5,7 @@ the kv_transfer_params the decode instance needs (where the prompt's KV is, and 
 and the request then goes to the decode instance, whose answer (or stream) is passed through."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -15,6 +16,7 @@ from starlette.background import BackgroundTask
 from oasiskv.server.protocol import error_body, sse
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+DISCONNECT_POLL_S = 0.5  # how often a waiting request checks that its caller is still there
 
 
 class Proxy:
@@ -22,19 +24,23 @@ class Proxy:
         self.prefill, self.decode = prefill_url.rstrip("/"), decode_url.rstrip("/")
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10))
 
-    async def generate(self, path: str, body: dict) -> Response:
+    async def generate(self, path: str, body: dict, client: Request | None = None) -> Response:
+        """`client`: the caller's request; when it disconnects, the instance's request is dropped too (closing that
+        connection aborts the request there)."""
         if not isinstance(body, dict):
             return JSONResponse(error_body("the request body must be a JSON object", 400), status_code=400)
         if answered_by_prefill(body):
-            return await self.send(self.prefill + path, body)
-        first = await self.client.post(self.prefill + path, json=prefill_body(body))
+            return await until_gone(client, self.send(self.prefill + path, body))
+        first = await until_gone(client, self.client.post(self.prefill + path, json=prefill_body(body)))
+        if not isinstance(first, httpx.Response):  # the caller left
+            return first
         if first.status_code != 200:
             return passthrough(first)
         first_json = first.json()
         params = first_json.get("kv_transfer_params")
         if params is None:  # the first token ended it (a stop): that is the whole answer
             return final_from_prefill(first_json, body, path)
-        return await self.send(self.decode + path, {**body, "kv_transfer_params": params})
+        return await until_gone(client, self.send(self.decode + path, {**body, "kv_transfer_params": params}))
 
     async def send(self, url: str, body: dict) -> Response:
         request = self.client.build_request("POST", url, json=body)
@@ -42,7 +48,7 @@ class Proxy:
         if not body.get("stream") or response.status_code != 200:
             await response.aread()
             return passthrough(response)
-        return StreamingResponse(response.aiter_raw(), media_type="text/event-stream",
+        return StreamingResponse(relay(response), media_type="text/event-stream",
                                  background=BackgroundTask(response.aclose))
 
     async def health(self) -> Response:
@@ -55,9 +61,32 @@ class Proxy:
         return Response(status_code=200)
 
 
+async def until_gone(client: Request | None, work):
+    """`work`'s result, or a 499 once the client has disconnected (work is cancelled: its connection closes)."""
+    task = asyncio.ensure_future(work)
+    while client is not None and not task.done():
+        await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if not task.done() and await client.is_disconnected():
+            task.cancel()
+            return Response(status_code=499)  # nobody reads it
+    return await task
+
+
+async def relay(response: httpx.Response):
+    """The instance's SSE bytes; if it fails mid-stream, an error event and [DONE] (the caller saw a cut body)."""
+    try:
+        async for piece in response.aiter_raw():
+            yield piece
+    except httpx.HTTPError as e:
+        yield "\n\n" + sse(error_body(f"the decode instance failed mid-stream: {e!r}", 502)) + sse("[DONE]")
+
+
 def answered_by_prefill(body: dict) -> bool:
-    """A request for one token needs no decode instance."""
-    return (body.get("max_completion_tokens") or body.get("max_tokens")) == 1
+    """A request for at most one token needs no decode instance (for none, an echo's answer or an error is the
+    prefill instance's to give; sent on, its prompt's KV would wait there for a decode that never comes)."""
+    limit = body.get("max_completion_tokens")
+    limit = body.get("max_tokens") if limit is None else limit
+    return isinstance(limit, int) and not isinstance(limit, bool) and limit <= 1
 
 
 def prefill_body(body: dict) -> dict:
@@ -81,8 +110,11 @@ def final_from_prefill(first: dict, body: dict, path: str) -> Response:
         if chat:
             choice["delta"] = {"role": "assistant", "content": choice.pop("message")["content"]}
     first["object"] = "chat.completion.chunk" if chat else "text_completion"
-    first.pop("usage", None)
-    return Response(sse(first) + sse("[DONE]"), media_type="text/event-stream")
+    usage = first.pop("usage", None)
+    events = sse(first)
+    if isinstance(body.get("stream_options"), dict) and body["stream_options"].get("include_usage"):
+        events += sse({**first, "choices": [], "usage": usage})
+    return Response(events + sse("[DONE]"), media_type="text/event-stream")
 
 
 def build_proxy_app(prefill_url: str, decode_url: str) -> FastAPI:
@@ -106,7 +138,7 @@ def build_proxy_app(prefill_url: str, decode_url: str) -> FastAPI:
             body = await body_of(request)
             if isinstance(body, Exception):
                 return JSONResponse(error_body(f"the request body is not valid JSON: {body}", 400), status_code=400)
-            return await proxy.generate(path, body)
+            return await proxy.generate(path, body, request)
         return route
 
     def decode_route(path: str):

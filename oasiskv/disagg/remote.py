@@ -51,7 +51,31 @@ class RemoteKV:
         self.remote_bytes = 0
         self.bytes_of: dict[str, int] = defaultdict(int)
         self.finished: OrderedDict[str, dict] = OrderedDict()
+        # (prefill agent, its request id) of every params taken or refused here, until their lease deadline: a
+        # replay would read KV that the prefill may have freed and given to another prompt
+        self.claimed: dict[tuple[str, str], float] = {}
         agent.register(chunks.store.kv)
+
+    def claim(self, params: dict) -> None:
+        """Marks the params used; ValueError if they were used here before."""
+        now = time.time()
+        self.claimed = {k: deadline for k, deadline in self.claimed.items() if deadline > now}
+        key = (params["remote_agent"], params["remote_request_id"])
+        if key in self.claimed:
+            raise ValueError(f"these kv_transfer_params (request {key[1]} of {key[0]}) were used already: a "
+                             "prefilled prompt is decoded once (send the request through the proxy again)")
+        self.claimed[key] = float(params["lease_deadline"])
+
+    def give_back(self, params: dict) -> None:
+        """Tells the prefill instance that a request it prefilled for us is refused, so it frees the prompt's KV
+        now rather than at its lease's end."""
+        try:
+            self.agent.connect(params["remote_agent"], params["remote_metadata"])
+        except Exception as e:  # unreachable or bad metadata: its lease frees the KV
+            log.warning("could not tell %s to free request %s: %s", params["remote_agent"],
+                        params["remote_request_id"], e)
+            return
+        self.agent.notify(params["remote_agent"], RELEASE + params["remote_request_id"].encode(), settle_s=0.2)
 
     # -- a request arrives ----------------------------------------------------------------------------
     def attach(self, request_id: str, params: dict, local_blocks: list[int], summaries: BlockSummaries) -> None:
@@ -63,6 +87,7 @@ class RemoteKV:
             raise ValueError(f"kv_transfer_params list {len(remote_blocks)} blocks for {len(local_blocks)} here")
         self.agent.connect(params["remote_agent"], params["remote_metadata"])
         self.read_summaries(params, remote_blocks, local_blocks, summaries)
+        self.probe_kv(params, remote_blocks)
         self.requests[request_id] = RemoteRequest(params["remote_agent"], params["remote_request_id"],
                                                   int(params["kv_addr"]), int(params["kv_layer_bytes"]),
                                                   int(params["kv_block_bytes"]), dict(zip(local_blocks, remote_blocks)),
@@ -86,6 +111,25 @@ class RemoteKV:
         finally:
             self.agent.deregister(staging)
         data[:, torch.tensor(local_blocks, device=data.device)] = staging.to(data.device)
+
+    def probe_kv(self, params, remote_blocks: list[int]) -> None:
+        """Reads the request's first and last KV chunks (the lowest and highest addresses its fetches will read):
+        params whose KV address or strides are wrong fail here, alone, rather than at a fetch, where a failed read
+        means the prefill is gone and fails every request it holds."""
+        if not remote_blocks:
+            return
+        layers, size = self.chunks.store.kv.shape[0], self.chunks.chunk_bytes
+        probe = torch.empty(2, size, dtype=torch.uint8)
+        remote = [int(params["kv_addr"]) + layer * int(params["kv_layer_bytes"]) + block * int(params["kv_block_bytes"])
+                  for layer, block in ((0, min(remote_blocks)), (layers - 1, max(remote_blocks)))]
+        self.agent.register(probe)
+        try:
+            self.read(params["remote_agent"], np.asarray(remote, dtype=np.uint64),
+                      probe.data_ptr() + np.arange(2, dtype=np.uint64) * size, size)
+        except RemoteKVError as e:
+            raise ValueError(f"kv_transfer_params' kv_addr and strides do not address the prefill's KV ({e})") from e
+        finally:
+            self.agent.deregister(probe)
 
     def read(self, agent: str, remote: np.ndarray, local: np.ndarray, size: int) -> None:
         sizes = np.full(len(remote), size, dtype=np.uint64)
@@ -119,9 +163,21 @@ class RemoteKV:
             return -1
         entry = self.chunks.cached_entry(rid, layer, block)
         if entry is None:
-            entry = self.chunks.add_cached(rid, layer, block)
+            try:
+                entry = self.chunks.add_cached(rid, layer, block)
+            except MemoryError as e:  # this request fails, not the step
+                self.failed.setdefault(rid, str(e))
+                return -1
             reads[self.requests[rid].agent].append((i, rid, layer, block, entry))
         return entry
+
+    def own(self, request_id: str, layer: int, block: int) -> int:
+        """The local entry a filled tail block is written to; -1 (and the request failed) where memory is full."""
+        try:
+            return self.chunks.own(request_id, layer, block)
+        except MemoryError as e:
+            self.failed.setdefault(request_id, str(e))
+            return -1
 
     def read_chunks(self, agent: str, items: list) -> None:
         remote, local = [], []
@@ -188,7 +244,7 @@ class RemoteOasisPolicy(OasisPolicy):
     def spill_full_tails(self, layer, tail_slots, dst=None) -> None:
         rows = self.rows_now
         tails = zip(self.meta.decode_request_ids, rows.tail_block.tolist(), rows.full.tolist())
-        entries = [self.remote.chunks.own(rid, layer, block) if full else -1 for rid, block, full in tails]
+        entries = [self.remote.own(rid, layer, block) if full else -1 for rid, block, full in tails]
         super().spill_full_tails(layer, tail_slots, torch.tensor(entries, dtype=torch.int32, device=tail_slots.device))
 
     def release(self, request_id: str) -> None:

@@ -61,12 +61,15 @@ class PrefillRole:
     def annotate(self, payload: dict, request_id: str) -> None:
         payload["kv_transfer_params"] = self.exporter.params_of(request_id)
 
+    def refused(self, params, loop) -> None:
+        pass  # nothing was exported for a refused request
+
 
 class DecodeRole:
     name = "decode"
 
     def __init__(self, engine):
-        self.remote = engine.remote
+        self.engine, self.remote = engine, engine.remote
 
     def start(self, loop) -> None:
         pass
@@ -78,3 +81,6 @@ class DecodeRole:
         stats = self.remote.finished.pop(request_id, None)
         if stats is not None:
             payload["usage"]["kv_transfer"] = stats
+
+    def refused(self, params, loop) -> None:
+        loop.post(lambda: self.engine.refuse(params))  # the NIXL agent is the engine thread's

@@ -108,11 +108,17 @@ class KVAgent:
             raise RemoteKVError(f"reading KV from {name} " + ("timed out" if state == "PROC" else "failed"))
         self.bytes_read += int(remote[:, 1].sum())
 
-    def notify(self, name: str, message: bytes) -> None:
+    def notify(self, name: str, message: bytes, settle_s: float = 0.0) -> None:
+        """`settle_s`: progress this long after sending, for a connection no read has set up yet (a notification
+        is sent only as the agent progresses; an idle decode may not progress again for a while)."""
         if name in self.remotes:
             try:
                 self.agent.send_notif(name, message)
-                self.progress()  # flushes it now: an idle decode may not progress again for a while
+                until = time.monotonic() + settle_s
+                self.progress()
+                while time.monotonic() < until:
+                    time.sleep(0.005)
+                    self.progress()
             except Exception as e:  # the remote is gone: its timeout frees what it held
                 log.warning("notifying %s failed: %s", name, e)
 

@@ -38,6 +38,7 @@ class Request:
     kv_stats: dict = field(default_factory=dict)  # the KV policy's counters for this request
     draft_token_id: int | None = None  # oasis mode: the draft source's guess of the token after the last one
     error: str | None = None  # why it ended badly (e.g. its remote KV was lost); reported to the client
+    prompt_to_host: bool = False  # its prompt's K/V are exported from the host store (ScheduledChunk.prompt_to_host)
     table_list: list[int] | None = field(default=None, repr=False)  # the block_ids list that table_epoch names
     table_epoch: int = -1
     # async scheduling: tokens sampled on the device that the host has not read yet (1 between steps, 2 while a

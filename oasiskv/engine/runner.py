@@ -155,9 +155,10 @@ def fill_pending(ids: torch.Tensor, sources: torch.Tensor, tokens: torch.Tensor)
 
 def is_decode(c: ScheduledChunk) -> bool:
     """One token that samples the next: a decode, or a prompt's last token alone (its K/V goes to the tail block as
-    a decode's does). A one-token piece of a longer prompt (what a step's last budget token leaves) is a prefill:
-    the tiered modes must write it to the host store, where the prompt's later chunks read their prefix."""
-    return len(c.token_ids) == 1 and c.sample
+    a decode's does) unless the prompt's K/V must all reach the host store (a prefill instance's export). A one-token
+    piece of a longer prompt (what a step's last budget token leaves) is a prefill: the tiered modes must write it
+    to the host store, where the prompt's later chunks read their prefix."""
+    return len(c.token_ids) == 1 and c.sample and not c.prompt_to_host
 
 
 def order_decodes_first(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:

@@ -29,6 +29,9 @@ class ScheduledChunk:
     sample: bool  # the chunk ends at the last known token: sample the next one
     draft_token_id: int | None = None  # a guess of the token after this chunk (oasis lookahead); never emitted
     table_epoch: int | None = None  # block_ids only grow while this stays the same (Scheduler.epoch_of); None: unknown
+    # every prompt token's K/V must reach the host store (a prefill instance exports them): the prompt's last token
+    # alone is then a prefill, not a decode, whose K/V would stay in the GPU tail block
+    prompt_to_host: bool = False
 
 
 @dataclass
@@ -146,7 +149,8 @@ class Scheduler:
         start = req.num_computed_tokens
         return ScheduledChunk(req.request_id, req.token_slice(start, start + n), start, list(req.block_ids),
                               sample=start + n == req.num_tokens, draft_token_id=req.draft_token_id,
-                              table_epoch=self.epoch_of(req))
+                              table_epoch=self.epoch_of(req),
+                              prompt_to_host=req.prompt_to_host and start < len(req.prompt_token_ids))
 
     def epoch_of(self, req: Request) -> int:
         """A number that stays the same while req's block table only grows. A table is only ever extended in

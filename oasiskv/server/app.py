@@ -111,11 +111,11 @@ def add_error_handlers(app: FastAPI) -> None:
 def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        return await create_completion(body, state, request)
+        return await refusing(state, body, create_completion(body, state, request))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await create_chat_completion(body, state, request)
+        return await refusing(state, body, create_chat_completion(body, state, request))
 
     @app.get("/v1/models")
     async def models():
@@ -153,6 +153,17 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/tokenizer_info")
     async def tokenizer_info():
         return tokenizer_info_of(state)
+
+
+async def refusing(state: ServerState, body, response):
+    """The response; a refused request's kv_transfer_params go back to the role (a decode instance tells the
+    prefill instance to free the prompt's KV now, not at its lease's end)."""
+    try:
+        return await response
+    except APIError:
+        if state.disagg is not None and body.kv_transfer_params is not None:
+            state.disagg.refused(body.kv_transfer_params, state.loop)
+        raise
 
 
 def package_version() -> str:

@@ -40,6 +40,12 @@ class CompletionJob(GenerationJob):
             raise APIError("max_tokens must be at least 1 (0 is allowed only with echo)", param="max_tokens")
         self.n = body.n
         self.prompts = prompt_inputs(body.prompt, state.tokenizer, state.engine.model_config.vocab_size)
+        if state.disagg is not None and len(self.prompts) > 1:
+            raise APIError("a prefill or decode instance takes one prompt a request (kv_transfer_params name one "
+                           "prompt's KV)", param="prompt")
+        if state.disagg is not None and state.disagg.name == "decode" and body.max_tokens == 0:
+            raise APIError("a decode instance needs max_tokens >= 1 (the proxy sends an echo with max_tokens 0 to "
+                           "the prefill instance alone)", param="max_tokens")
         self.num_prompt_tokens = sum(len(ids) for _, ids in self.prompts)
         for _, ids in self.prompts:
             check_context(len(ids), body.max_tokens, state.max_model_len, "prompt")
@@ -47,10 +53,6 @@ class CompletionJob(GenerationJob):
             self.params += [sampling_params(body, max(max_tokens, 1), i) for i in range(self.n)]
         self.formatters = [CompletionLogprobs(self.token_str) for _ in self.params]
         self.echoes: list[tuple[str, list]] | None = None
-
-    @property
-    def wants_logprobs(self) -> bool:
-        return self.body.logprobs is not None
 
     async def start(self) -> None:
         if self.body.echo:

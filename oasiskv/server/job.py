@@ -106,12 +106,20 @@ class GenerationJob:
             check_token_ids([int(t) for t in body.logit_bias if t.isdigit()], state.engine.model_config.vocab_size,
                             "logit_bias")
         self.body, self.state = body, state
+        if state.disagg is not None and state.disagg.name == "decode" and self.wants_logprobs:
+            raise APIError("a decode instance gives no logprobs: the prefill instance sampled the first token, and "
+                           "its logprobs do not travel with the KV", param="logprobs")
         self.id, self.created = new_id(self.id_prefix), now()
         self.params: list[SamplingParams] = []
         self.sub: Submission | None = None
         self.generated = 0  # tokens streamed so far
 
     num_prompt_tokens = 0
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """completions: logprobs N (0 too); chat: logprobs true."""
+        return self.body.logprobs is not None and self.body.logprobs is not False
 
     def token_str(self, token_id: int) -> str:
         """A token as its logprobs show it: its text, or vLLM's `token_id:N` with return_tokens_as_token_ids."""
