@@ -57,6 +57,8 @@ CASES = [
     (["bench", "hf-reference", "--batch", "1", "--input-len", "-3"], "--input-len must be at least 1"),
     (["bench", "hf-reference", "--model", "qwen3-0.6b", "--batch", "1", "--input-len", "100000"],
      r"--input-len \+ --output-len \(100\d+\) is longer than the model's 40960 tokens"),
+    (["serve", "--role", "decode", "--kv-mode", "oasis", "-tp", "2"],
+     "--role decode runs on one GPU: --tensor-parallel-size must be 1, got 2"),
 ]
 if not torch.cuda.is_available():
     CASES.append((GENERATE + ["--device", "cuda"], "no CUDA GPU is available here"))
@@ -84,3 +86,9 @@ def test_llm_keyword_arguments_of_the_wrong_kind_are_named(kwargs, message):
     with pytest.raises(TypeError, match=re.escape(message)):
         split_kwargs(kwargs)
     assert split_kwargs({"kv_mode": "quest", "kv_budget": 256, "model": "m"}).kv.budget == 256
+
+
+def test_the_proxy_refuses_an_instance_url_without_a_scheme():
+    """httpx takes no bare host:port: every request would have failed with a 502."""
+    with pytest.raises(SystemExit, match="--prefill must be a URL such as http://127.0.0.1:8101, got '127.0.0.1:81'"):
+        main(["proxy", "--prefill", "127.0.0.1:81", "--decode", "http://127.0.0.1:82", "--port", "0"])

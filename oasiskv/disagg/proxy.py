@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from urllib.parse import urlsplit
 
 import httpx
 from fastapi import FastAPI, Request
@@ -170,12 +171,21 @@ def build_proxy_app(prefill_url: str, decode_url: str) -> FastAPI:
     return app
 
 
+def check_url(flag: str, url: str) -> None:
+    """An instance's URL as httpx takes it (without a scheme every request would fail with a 502)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise SystemExit(f"oasiskv proxy: {flag} must be a URL such as http://127.0.0.1:8101, got {url!r}")
+
+
 def serve_proxy(args) -> None:
     import uvicorn
 
     from oasiskv.server.app import check_listen
 
     check_listen(args.host, args.port, "proxy")
+    for flag, url in (("--prefill", args.prefill), ("--decode", args.decode)):
+        check_url(flag, url)
     app = build_proxy_app(args.prefill, args.decode)
     print(f"oasiskv proxy: prefill {args.prefill}, decode {args.decode}, on http://{args.host}:{args.port}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)

@@ -16,6 +16,9 @@ def build_engine(config: EngineConfig, disagg: DisaggConfig):
     from oasiskv.engine.engine import LLMEngine
 
     disagg.validate()
+    if disagg.role is not None and config.tensor_parallel_size > 1:
+        raise ValueError(f"--role {disagg.role} runs on one GPU: --tensor-parallel-size must be 1, "
+                         f"got {config.tensor_parallel_size}")
     if disagg.role is not None:  # per-request transfer statistics and lost prefills go to stderr
         log = logging.getLogger("oasiskv.disagg")
         log.setLevel(logging.INFO)
