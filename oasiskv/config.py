@@ -189,6 +189,9 @@ class KVConfig:
                              f"({self.mode} keeps no full KV on the GPU)")
         if self.mode == "oasis":
             self.validate_lookahead(block_size)
+        elif self.draft != KVConfig.draft or self.draft_model is not None:
+            raise ValueError(f"--draft and --draft-model (and speculative_config) apply to --kv-mode oasis, whose "
+                             f"lookahead they drive; --kv-mode {self.mode} drafts nothing")
 
     def validate_budget(self, block_size: int) -> None:
         if self.budget % block_size or self.budget < block_size:
@@ -264,12 +267,14 @@ class KVConfig:
     def for_mode(self, mode: str, **changes) -> "KVConfig":
         """This configuration for another mode (bench and eval run several from one set of flags):
         --working-set and --prefill-keep-tokens stay with the host modes and are dropped for those that hold
-        everything on the GPU; --shortlist stays with the modes that take it."""
+        everything on the GPU; --shortlist stays with the modes that take it, --draft and --draft-model with oasis."""
         kv = dataclasses.replace(self, mode=mode, **changes)
         if mode == "dense":  # dense selects nothing: a sweep's --select-per leaves it as it is
             kv = dataclasses.replace(kv, select_per="layer", summary_tokens=None, layer_weights=())
         if mode not in SHORTLIST_MODES:
             kv = dataclasses.replace(kv, shortlist=0.0)
+        if mode != "oasis":  # the draft drives oasis's lookahead only
+            kv = dataclasses.replace(kv, draft=KVConfig.draft, draft_model=None)
         return kv if kv.offloaded else dataclasses.replace(kv, working_set=None, prefill_keep_tokens=None)
 
     @property
@@ -415,7 +420,7 @@ def draft_of_speculative_config(spec) -> tuple[str, str | None]:
     """vLLM's speculative_config ({"method": "eagle3", "model": DIR} or {"method": "ngram"}) as (draft, draft model):
     the draft predicts the next step's blocks here."""
     if not isinstance(spec, dict) or spec.get("method") not in ("eagle3", "ngram") or \
-            (spec["method"] == "eagle3" and not spec.get("model")):
+            (spec["method"] == "eagle3") != bool(spec.get("model")):  # ngram takes no model
         raise ValueError('speculative_config must look like {"method": "eagle3", "model": "DIR"} or '
                          f'{{"method": "ngram"}}, got {spec!r}')
     return spec["method"], spec.get("model")

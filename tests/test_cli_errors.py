@@ -57,6 +57,13 @@ CASES = [
     (["bench", "hf-reference", "--batch", "1", "--input-len", "-3"], "--input-len must be at least 1"),
     (["bench", "hf-reference", "--model", "qwen3-0.6b", "--batch", "1", "--input-len", "100000"],
      r"--input-len \+ --output-len \(100\d+\) is longer than the model's 40960 tokens"),
+    # silently ignored before, a missing head directory too
+    (GENERATE + ["--kv-mode", "quest", "--kv-budget", "256", "--draft", "eagle3", "--draft-model", "/tmp"],
+     "--draft and --draft-model .* apply to --kv-mode oasis"),
+    (GENERATE + ["--draft", "repeat"], "--kv-mode dense drafts nothing"),
+    (GENERATE + ["--kv-mode", "oasis", "--speculative-config", '{"method": "eagle3", "model": "/nonexistent"}'],
+     "the draft model /nonexistent is not a directory"),  # found once the target's weights had loaded
+    (GENERATE + ["--speculative-config", '{"method": "ngram", "model": "/x"}'], "speculative_config must look like"),
     (["serve", "--role", "decode", "--kv-mode", "oasis", "-tp", "2"],
      "--role decode runs on one GPU: --tensor-parallel-size must be 1, got 2"),
 ]

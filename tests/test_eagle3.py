@@ -282,3 +282,42 @@ def test_errors_are_clear(target, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(ValueError, match="not an EAGLE-3 head"):
         load_eagle3(str(tmp_path), ours)
+
+
+def broken_head(path, what: str) -> None:
+    """A head broken in one way: its files, its d2t or its weights."""
+    w, cfg = random_weights("eagle", seed=11), head_config("eagle")
+    if what == "d2t past the vocabulary":
+        w["d2t"] = w["d2t"] + VOCAB
+    elif what == "float d2t":
+        w["d2t"] = w["d2t"].float()
+    elif what == "NaN weights":
+        w["fc.weight"][0, 0] = float("nan")
+    write_head(path, "eagle", w)
+    if what == "draft vocabulary above the target's":
+        (path / "config.json").write_text(json.dumps({**cfg, "draft_vocab_size": VOCAB + 1}))
+    elif what == "config not JSON":
+        (path / "config.json").write_text("{not json")
+    elif what == "config a list":
+        (path / "config.json").write_text("[1, 2]")
+    elif what == "truncated weights":
+        with open(path / "model.safetensors", "r+b") as f:
+            f.truncate(2000)
+
+
+@pytest.mark.parametrize("what, message", [
+    ("d2t past the vocabulary", "d2t maps draft ids to target ids in .* outside the target vocabulary"),
+    ("float d2t", "d2t must hold integer offsets"),
+    ("NaN weights", "fc.weight holds NaN or infinite values"),
+    ("draft vocabulary above the target's", "draft_vocab_size .* must be in \\[1, the target's"),
+    ("config not JSON", "config.json cannot be read as JSON"),
+    ("config a list", "config.json must hold a JSON object, got list"),
+    ("truncated weights", "model.safetensors cannot be read"),
+])
+def test_a_broken_head_is_refused_at_load(target, tmp_path, what, message):
+    """Each loaded before and failed later (d2t past the vocabulary: an IndexError in the next step's embedding), or
+    failed with a traceback; found by a helper's audit of the drafts."""
+    _, ours = target
+    broken_head(tmp_path, what)
+    with pytest.raises(ValueError, match=message):
+        load_eagle3(str(tmp_path), ours)

@@ -3,7 +3,9 @@ logits, and a run interrupted and resumed ends where an uninterrupted run ends."
 from __future__ import annotations
 
 import itertools
+import os
 import shutil
+import signal
 
 import pytest
 import torch
@@ -134,6 +136,51 @@ def test_unroll_step_k_equals_drafting_k_tokens_ahead():
                 torch.testing.assert_close(out[0], outs[k][b, t])
 
 
+def signal_at(step: int, signum: int):
+    def on_step(done: int):
+        if done == step:
+            os.kill(os.getpid(), signum)
+
+    return on_step
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupt_between_checkpoints_keeps_its_steps(trained, target_dir, tmp_path, signum):
+    """Ctrl-C (or a kill) at step 3, between the checkpoints at 6 and 12: the loop stops after that step with a
+    checkpoint of it (the steps since the last checkpoint were lost, a kill lost them all), and a resumed run
+    still ends where an uninterrupted run ends."""
+    out, result = trained
+    shutil.copy(out / "data.pt", tmp_path / "data.pt")
+    with pytest.raises(KeyboardInterrupt):
+        train(train_args(target_dir, tmp_path, "--resume"), on_step=signal_at(3, signum))
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 3
+    resumed = train(train_args(target_dir, tmp_path, "--resume"))
+    assert resumed.losses == result.losses[3:]
+    for (name, p), q in zip(resumed.head.named_parameters(), result.head.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_unreadable_files_and_a_forgotten_resume_are_one_line_errors(trained, target_dir, tmp_path):
+    out, _ = trained
+    with pytest.raises(ValueError, match="holds a checkpoint of an earlier run: --resume continues it"):
+        train(train_args(target_dir, out))  # it would regenerate data.pt over the earlier run's
+    (tmp_path / "data.pt").write_bytes(b"not a torch file")
+    with pytest.raises(ValueError, match="data.pt cannot be read as train-draft data"):
+        train(train_args(target_dir, tmp_path, "--resume"))
+    shutil.copy(out / "data.pt", tmp_path / "data.pt")
+    (tmp_path / "checkpoint.pt").write_bytes(b"truncated")
+    with pytest.raises(ValueError, match="checkpoint.pt cannot be read as a train-draft checkpoint"):
+        train(train_args(target_dir, tmp_path, "--resume"))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a file, not a directory"):
+        train(train_args(target_dir, tmp_path / "file"))
+
+
+def test_half_precision_on_the_cpu_is_refused_before_the_target_loads(tmp_path):
+    with pytest.raises(ValueError, match="--dtype float16 trains on a GPU"):
+        train(train_args("unused", tmp_path / "head", "--dtype", "float16"))
+
+
 @pytest.mark.parametrize("flag, value, message", [
     ("--num-conversations", "0", "--num-conversations must be at least 1, got 0"),
     ("--lr", "-1", "--lr must be above 0"), ("--ttt-decay", "1.5", r"--ttt-decay must be in \(0, 1\]"),
@@ -148,3 +195,20 @@ def test_bad_flags_fail_before_the_target_loads(tmp_path, monkeypatch, flag, val
     with pytest.raises(ValueError, match=message):
         train(train_args("unused", tmp_path / "head", flag, value))
     assert not (tmp_path / "head").exists()  # nothing written either
+
+
+class TemplateOf30:
+    """A chat template that adds 30 tokens to a message of one token per 4 characters."""
+
+    def apply_chat_template(self, messages):
+        return [0] * (30 + len(messages[0]["content"]) // 4)
+
+
+def test_prompts_that_cannot_fit_fail_at_once():
+    """--max-len 32 leaves prompts 16 tokens: none fits a 30-token template, which a walk of the whole standard
+    library took minutes to find."""
+    from oasiskv.lookahead.draft_data import chat_prompts
+
+    with pytest.raises(ValueError, match="the chat template alone takes 30 tokens, and prompts may have 16"):
+        chat_prompts(TemplateOf30(), 5, 16, 0)
+    assert all(len(ids) <= 200 for ids in chat_prompts(TemplateOf30(), 5, 200, 0))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
+from tqdm import tqdm
 
 SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "turtledemo", "lib2to3", "ensurepip",
              "__pycache__"}
@@ -96,13 +97,21 @@ def stdlib_prompts(seed: int, per_file: int = 4, passes: int = 8) -> Iterator[st
 
 def chat_prompts(tokenizer, n: int, max_tokens: int, seed: int) -> list[list[int]]:
     """n stdlib prompts as chat-templated token ids of at most max_tokens each."""
+    overhead = len(tokenizer.apply_chat_template([{"role": "user", "content": ""}]))
+    if overhead >= max_tokens:  # no prompt can fit: say so now, not after walking the whole library
+        raise ValueError(f"the chat template alone takes {overhead} tokens, and prompts may have {max_tokens} "
+                         f"(half of --max-len): raise --max-len above {2 * overhead}")
     out = []
+    bar = tqdm(total=n, desc="prompts", dynamic_ncols=True)
     for prompt in stdlib_prompts(seed, per_file=max(4, 2 * n // len(stdlib_files()) + 1)):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         if len(ids) <= max_tokens:
             out.append(ids)
+            bar.update(1)
         if len(out) == n:
+            bar.close()
             return out
+    bar.close()
     raise ValueError(f"the standard library gave only {len(out)} prompts of at most {max_tokens} tokens; "
                      f"lower --num-conversations or raise --max-len")
 
@@ -129,9 +138,13 @@ def save_conversations(path: str, conversations: list[Conversation]) -> None:
 
 
 def load_conversations(path: str) -> list[Conversation]:
-    data = torch.load(path, weights_only=True)
-    pieces = data["tokens"].split(data["lengths"].tolist())
-    return [Conversation(p.tolist(), int(n)) for p, n in zip(pieces, data["prompt_lens"])]
+    try:
+        data = torch.load(path, weights_only=True)
+        pieces = data["tokens"].split(data["lengths"].tolist())
+        return [Conversation(p.tolist(), int(n)) for p, n in zip(pieces, data["prompt_lens"])]
+    except Exception as e:  # a truncated or foreign file: one line naming it
+        raise ValueError(f"{path} cannot be read as train-draft data ({type(e).__name__}: {e}); move it away to "
+                         "regenerate the data") from None
 
 
 # -- vocabulary and batches -----------------------------------------------------------------------------

@@ -11,12 +11,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import itertools
 import json
 import math
 import os
+import signal
+import threading
 import time
 
 import torch
@@ -79,10 +82,38 @@ def main(args: argparse.Namespace) -> None:
         result = train(args)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}")
+    except KeyboardInterrupt:
+        raise SystemExit(f"train-draft interrupted; {args.out} keeps what was done: --resume continues") from None
     t = result.times
-    print(f"held-out top-1 accuracy per draft step: {' '.join(f'{a:.3f}' for a in result.eval_accuracy)}")
+    if not result.eval_accuracy:
+        print("held-out top-1 accuracy: none held out (--eval-conversations 0, or fewer than 4 conversations)")
+    else:
+        print(f"held-out top-1 accuracy per draft step: {' '.join(f'{a:.3f}' for a in result.eval_accuracy)}")
     print(f"time: data {t['data_s']:.1f} s, training {t['train_s']:.1f} s, total {t['total_s']:.1f} s")
     print(f"head saved to {args.out}")
+
+
+@contextlib.contextmanager
+def interrupts_between_steps():
+    """Inside, a first Ctrl-C or SIGTERM (in the main thread) only sets the flag that `asked()` reads, so the loop
+    can stop between optimizer steps with a consistent checkpoint; a second one interrupts at once."""
+    asked = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield asked.is_set
+        return
+
+    def note(signum, frame):
+        if asked.is_set():
+            raise KeyboardInterrupt
+        asked.set()
+        print("\nstopping after this step (a second Ctrl-C stops at once)", flush=True)
+
+    previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield asked.is_set
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 # each numeric flag's rule and its wording, checked before the target loads (data generation takes minutes)
@@ -113,6 +144,13 @@ def train(args: argparse.Namespace, on_step=None) -> TrainResult:
     t0 = time.perf_counter()
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
+    if device.type != "cuda" and dtype != torch.float32:  # autocast runs on a GPU only
+        raise ValueError(f"--dtype {args.dtype} trains on a GPU; on the CPU the target runs in float32 (--dtype auto)")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out} is a file, not a directory")
+    if not args.resume and os.path.isfile(os.path.join(args.out, "checkpoint.pt")):
+        raise ValueError(f"{args.out} holds a checkpoint of an earlier run: --resume continues it (and reuses its "
+                         "data.pt); to start again, give another --out or remove it")
     os.makedirs(args.out, exist_ok=True)
     target, conversations = target_and_data(args, device, dtype)
     t_data = time.perf_counter() - t0
@@ -208,33 +246,51 @@ def fit(head, target, conversations, vocab_ids, args, device, dtype, on_step) ->
     batches = itertools.islice(draft_data.schedule(lengths, args.batch_size, args.seed, steps), start, None)
     bar = tqdm(total=steps, initial=start, desc="train-draft", dynamic_ncols=True)
     losses, smoothed = [], None
-    for step, indices in enumerate(batches, start=start):
-        batch = draft_data.make_batch([conversations[i] for i in indices], device)
-        targets = target_pass(target, batch, head.capture_layers, vocab_ids)
-        with autocast(device, dtype):
-            result = unroll(head, batch, targets, args.ttt_length, args.ttt_decay)
-        opt.zero_grad(set_to_none=True)
-        result.loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), args.clip)
-        opt.step()
-        sched.step()
-        losses.append(result.loss.item())
-        accuracy = [float(c) / max(1, int(n)) for c, n in zip(result.correct, result.counted)]
-        smoothed = accuracy if smoothed is None else [0.9 * s + 0.1 * a for s, a in zip(smoothed, accuracy)]
-        bar.set_postfix_str(f"loss {losses[-1]:.3f} acc {' '.join(f'{a:.2f}' for a in smoothed)}")
-        bar.update(1)
-        if (step + 1) % args.checkpoint_every == 0 or step + 1 == steps:
-            save_checkpoint(args, head, opt, sched, step + 1)
-        if on_step:
-            on_step(step + 1)
+    with interrupts_between_steps() as interrupted:
+        for step, indices in enumerate(batches, start=start):
+            loss, smoothed = train_step(head, target, conversations, indices, vocab_ids, args, device, dtype, opt,
+                                        sched, smoothed)
+            losses.append(loss)
+            bar.set_postfix_str(f"loss {loss:.3f} acc {' '.join(f'{a:.2f}' for a in smoothed)}")
+            bar.update(1)
+            saved = (step + 1) % args.checkpoint_every == 0 or step + 1 == steps
+            if saved:
+                save_checkpoint(args, head, opt, sched, step + 1)
+            if on_step:
+                on_step(step + 1)
+            if interrupted():  # Ctrl-C or a kill: the steps since the last checkpoint are kept
+                if not saved:
+                    save_checkpoint(args, head, opt, sched, step + 1)
+                bar.close()
+                print(f"interrupted: checkpoint saved at step {step + 1} of {steps}")
+                raise KeyboardInterrupt
     bar.close()
     return losses
+
+
+def train_step(head, target, conversations, indices, vocab_ids, args, device, dtype, opt, sched,
+               smoothed) -> tuple[float, list[float]]:
+    """One optimizer step; (its loss, the running accuracy per unrolled step)."""
+    batch = draft_data.make_batch([conversations[i] for i in indices], device)
+    targets = target_pass(target, batch, head.capture_layers, vocab_ids)
+    with autocast(device, dtype):
+        result = unroll(head, batch, targets, args.ttt_length, args.ttt_decay)
+    opt.zero_grad(set_to_none=True)
+    result.loss.backward()
+    torch.nn.utils.clip_grad_norm_(head.parameters(), args.clip)
+    opt.step()
+    sched.step()
+    accuracy = [float(c) / max(1, int(n)) for c, n in zip(result.correct, result.counted)]
+    smoothed = accuracy if smoothed is None else [0.9 * s + 0.1 * a for s, a in zip(smoothed, accuracy)]
+    return result.loss.item(), smoothed
 
 
 @torch.no_grad()
 def evaluate(head, target, conversations, vocab_ids, args, device, dtype) -> list[float]:
     """Top-1 accuracy per unrolled step on held-out conversations (draft argmax mapped through d2t
-    against the target's argmax, over every reply prediction)."""
+    against the target's argmax, over every reply prediction); empty when none are held out."""
+    if not conversations:
+        return []
     correct, counted = [0] * args.ttt_length, [0] * args.ttt_length
     for start in range(0, len(conversations), args.batch_size):
         batch = draft_data.make_batch(conversations[start:start + args.batch_size], device)
@@ -261,7 +317,11 @@ def load_checkpoint(args, head, opt, sched) -> int:
     if not os.path.isfile(path):
         print(f"--resume: no {path} yet, starting at step 0")
         return 0
-    state = torch.load(path, map_location=head.d2t.device, weights_only=True)
+    try:
+        state = torch.load(path, map_location=head.d2t.device, weights_only=True)
+    except Exception as e:  # truncated or foreign: one line naming it
+        raise ValueError(f"{path} cannot be read as a train-draft checkpoint ({type(e).__name__}: {e}); move it "
+                         "away to start the training again") from None
     if not torch.equal(state["head"]["d2t"], head.d2t):
         raise ValueError(f"{path} was trained with another draft vocabulary (different data or --draft-vocab-size)")
     head.load_state_dict(state["head"])

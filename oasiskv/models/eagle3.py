@@ -188,8 +188,14 @@ def load_eagle3(directory: str, target: CausalLM, device: torch.device | str | N
         raise FileNotFoundError(f"EAGLE-3 head directory {directory} does not exist")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"EAGLE-3 head directory {directory} has no config.json")
-    with open(config_path) as f:
-        cfg = parse_eagle3_config(json.load(f))
+    try:
+        with open(config_path) as f:
+            hf = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"EAGLE-3 head {config_path} cannot be read as JSON: {e}") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"EAGLE-3 head {config_path} must hold a JSON object, got {type(hf).__name__}")
+    cfg = parse_eagle3_config(hf)
     tensors = canonical_names(read_checkpoint(directory))
     cfg = check_against_target(cfg, target.config, "embed_tokens.weight" in tensors)
     target_embedding = target.model.embed_tokens.weight
@@ -209,6 +215,9 @@ def check_against_target(cfg: Eagle3Config, target: ModelConfig, has_embedding: 
                          f"the target has {target.hidden_size}")
     if cfg.layer.vocab_size != target.vocab_size:
         raise ValueError(f"EAGLE-3 head vocab_size {cfg.layer.vocab_size} != target vocab_size {target.vocab_size}")
+    if not 1 <= cfg.draft_vocab_size <= target.vocab_size:
+        raise ValueError(f"EAGLE-3 head draft_vocab_size {cfg.draft_vocab_size} must be in [1, the target's "
+                         f"{target.vocab_size}]")
     if not has_embedding and cfg.hidden_size != target.hidden_size:
         raise ValueError(f"EAGLE-3 head hidden size {cfg.hidden_size} != target hidden size {target.hidden_size} "
                          "and the checkpoint has no embed_tokens of its own")
@@ -226,14 +235,20 @@ def checked_capture_indices(indices, num_layers: int) -> tuple[int, ...]:
 
 def read_checkpoint(directory: str) -> dict[str, torch.Tensor]:
     files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
-    if files:
-        from safetensors.torch import load_file
+    if not files and os.path.isfile(os.path.join(directory, "pytorch_model.bin")):
+        files = [os.path.join(directory, "pytorch_model.bin")]
+    if not files:
+        raise FileNotFoundError(f"EAGLE-3 head directory {directory} has neither *.safetensors nor pytorch_model.bin")
+    from safetensors.torch import load_file
 
-        return {k: v for path in files for k, v in load_file(path).items()}
-    path = os.path.join(directory, "pytorch_model.bin")
-    if os.path.isfile(path):
-        return torch.load(path, map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"EAGLE-3 head directory {directory} has neither *.safetensors nor pytorch_model.bin")
+    tensors = {}
+    for path in files:
+        try:  # a truncated or corrupt file: one line naming it
+            read = torch.load(path, map_location="cpu", weights_only=True) if path.endswith(".bin") else load_file(path)
+        except Exception as e:
+            raise ValueError(f"EAGLE-3 weights {path} cannot be read: {type(e).__name__}: {e}") from None
+        tensors.update(read)
+    return tensors
 
 
 def canonical_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -257,12 +272,26 @@ def assign_tensors(head: Eagle3Head, tensors: dict[str, torch.Tensor]) -> None:
         raise ValueError(f"EAGLE-3 checkpoint tensors with no place in the head: {unknown[:5]}")
     if missing:
         raise ValueError(f"EAGLE-3 checkpoint lacks {missing[:5]}")
+    check_d2t(tensors["d2t"], head.config.layer.vocab_size)
     with torch.no_grad():
         for name, t in tensors.items():
             if tuple(t.shape) != tuple(expected[name].shape):
                 raise ValueError(f"EAGLE-3 tensor {name}: checkpoint shape {tuple(t.shape)} != "
                                  f"expected {tuple(expected[name].shape)} from config.json")
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise ValueError(f"EAGLE-3 tensor {name} holds NaN or infinite values")
             expected[name].copy_(t)
+
+
+def check_d2t(d2t: torch.Tensor, vocab_size: int) -> None:
+    """d2t maps draft id i to target id i + d2t[i]: every such id must be in the target's vocabulary (one outside it
+    stopped generation at the next step's embedding lookup)."""
+    if d2t.is_floating_point():
+        raise ValueError(f"EAGLE-3 d2t must hold integer offsets, got {d2t.dtype}")
+    ids = d2t + torch.arange(len(d2t), device=d2t.device)
+    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"EAGLE-3 d2t maps draft ids to target ids in [{int(ids.min())}, {int(ids.max())}], "
+                         f"outside the target vocabulary's [0, {vocab_size})")
 
 
 # -- saving ---------------------------------------------------------------------------------------------
