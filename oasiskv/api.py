@@ -6,7 +6,6 @@ import reprlib
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from pydantic import ValidationError
 from tqdm.auto import tqdm
 
 from oasiskv.config import CacheConfig, EngineConfig, KVConfig, SchedulerConfig, draft_of_speculative_config
@@ -14,7 +13,6 @@ from oasiskv.sampling_params import MAX_LOGPROBS, SamplingParams, is_integer
 from oasiskv.engine.engine import LLMEngine
 from oasiskv.engine.logprobs import LogprobSampler, TokenLogprob, prompt_logprobs
 from oasiskv.engine.request import Request
-from oasiskv.server.protocol import ChatMessage
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
 
@@ -123,6 +121,10 @@ def chat_messages(conv, index: int) -> list[dict]:
     if not isinstance(conv, (list, tuple)) or not conv:
         raise ValueError(f"conversation {index}: a chat is a non-empty list of {{'role', 'content'}} dicts, got "
                          f"{reprlib.repr(conv)}")
+    from pydantic import ValidationError  # (the server's extra: an offline run without chat needs neither)
+
+    from oasiskv.server.protocol import ChatMessage
+
     out = []
     for j, m in enumerate(conv):
         try:

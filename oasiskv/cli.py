@@ -112,20 +112,15 @@ def layer_weights(text: str) -> tuple[tuple[int, float], ...]:
 
 
 def draft_args(args: argparse.Namespace) -> tuple[str, str | None]:
-    """(--draft, --draft-model), with a vLLM --speculative-config taking their place when given. A head directory
-    that does not exist is an error now, not after the target's weights have loaded."""
-    draft, model = args.draft, args.draft_model
-    if args.speculative_config:
-        try:
-            draft, model = draft_of_speculative_config(json.loads(args.speculative_config))
-        except json.JSONDecodeError as e:
-            raise SystemExit(f"error: --speculative-config is not valid JSON: {e}")
-        except ValueError as e:
-            raise SystemExit(f"error: --{e}")
-    if model is not None and not os.path.isdir(model):
-        raise SystemExit(f"error: the draft model {model} is not a directory (an EAGLE-3 head: config.json and "
-                         "its weights)")
-    return draft, model
+    """(--draft, --draft-model), with a vLLM --speculative-config taking their place when given."""
+    if not args.speculative_config:
+        return args.draft, args.draft_model
+    try:
+        return draft_of_speculative_config(json.loads(args.speculative_config))
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"error: --speculative-config is not valid JSON: {e}")
+    except ValueError as e:
+        raise SystemExit(f"error: --{e}")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -194,6 +189,10 @@ def checked_engine_config(args: argparse.Namespace) -> EngineConfig:
         config.kv.validate(config.cache.block_size, num_layers=sys.maxsize)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
+    model = config.kv.draft_model  # a head directory that does not exist: now, not once the target has loaded
+    if model is not None and not os.path.isdir(model):
+        raise SystemExit(f"error: the draft model {model} is not a directory (an EAGLE-3 head: config.json and "
+                         "its weights)")
     return config
 
 

@@ -104,3 +104,13 @@ def test_vllm_arguments_that_change_nothing_are_taken_and_others_refused_by_name
             split_kwargs(bad)
     with pytest.raises(ValueError, match="speculative_config must look like"):
         split_kwargs({"speculative_config": {"method": "medusa"}})
+
+
+def test_the_offline_api_imports_without_the_servers_pydantic():
+    """The GPU machine has no pydantic: `oasiskv eval` and `bench` (through oasiskv.api) failed there at import."""
+    import subprocess
+    import sys
+
+    code = "import sys; sys.modules['pydantic'] = None; import oasiskv.api, oasiskv.evals.harness; print('ok')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
