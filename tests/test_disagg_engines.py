@@ -228,6 +228,27 @@ def test_a_wrong_kv_address_fails_its_request_alone(config):
     released_soon(prefill, 2)
 
 
+def test_no_room_on_the_decode_is_a_retry_later_refusal(config):
+    """A decode instance full for now refuses with an error the server answers 503 (retry), not 400; the prefill
+    keeps that prompt's KV, so the same request sent again once there is room gives the single instance's tokens."""
+    from oasiskv.disagg.decode import NoRoomError
+
+    ids_list = prompts(2)
+    small = config.replace(cache=dataclasses.replace(config.cache, num_kv_blocks=10))  # one ~110-token prompt
+    prefill = PrefillEngine(config, DisaggConfig(role="prefill"))
+    decode = DecodeEngine(small, DisaggConfig(role="decode"))
+    decode.add_request(ids_list[0], GREEDY, "0", kv_transfer_params=prefilled(prefill, "p0", ids_list[0]))
+    later = prefilled(prefill, "p1", ids_list[1])
+    with pytest.raises(NoRoomError, match="no room for .* KV blocks on the decode instance now") as refused:
+        decode.add_request(ids_list[1], GREEDY, "1", kv_transfer_params=later)
+    assert refused.value.retry_later and isinstance(refused.value, ValueError)
+    run(decode)
+    decode.add_request(ids_list[1], GREEDY, "1", kv_transfer_params=later)  # room again: the retry is taken
+    run(decode)
+    assert [decode.requests[r].output_token_ids for r in "01"] == single_instance(config, ids_list)
+    released_soon(prefill, 2)
+
+
 def test_used_params_are_refused(config):
     """A replay would read KV the prefill may have freed and reused for another prompt."""
     ids = prompts(1)[0]

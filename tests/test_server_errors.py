@@ -258,3 +258,41 @@ def test_chat_options_on_completions_are_ignored_as_vllm_ignores_them(served):
         r = client.post("/v1/completions", json={**GOOD, "add_generation_prompt": False,
                                                  "chat_template_kwargs": {"enable_thinking": False}})
         assert r.status_code == 200, r.text
+
+
+def test_a_refusal_that_may_pass_later_is_a_503():
+    """The engine loop keeps the `retry_later` mark of a refusal (a decode instance without room now) through its
+    prompt-index prefix; the submission answers 503 for it and 400 for the rest."""
+    import asyncio
+
+    from oasiskv.server.engine_loop import EngineLoop
+    from oasiskv.server.generation import Submission
+    from oasiskv.server.protocol import APIError
+
+    class Full(ValueError):
+        retry_later = True
+
+    class Engine:
+        def __init__(self, error):
+            self.error = error
+
+        def add_request(self, *args, **kwargs):
+            raise self.error
+
+        def abort(self, rid):
+            pass
+
+    for error, status in ((Full("no room now"), 503), (ValueError("bad prompt"), 400)):
+        loop = EngineLoop.__new__(EngineLoop)  # only its _add_all, on this thread
+        loop.engine = Engine(error)
+        with pytest.raises(ValueError) as raised:
+            loop._add_all(["a", "b"], [[1], [2]], [None, None], None, None, {})
+        assert raised.value.retry_later == (status == 503) and str(raised.value).startswith("prompt 0: ")
+
+        class Loop:
+            async def add(self, *args):
+                raise raised.value
+
+        with pytest.raises(APIError) as answered:
+            asyncio.run(Submission.start(Loop(), [[1]], [None], None))
+        assert answered.value.status == status

@@ -162,8 +162,13 @@ def test_an_interrupt_between_checkpoints_keeps_its_steps(trained, target_dir, t
 
 def test_unreadable_files_and_a_forgotten_resume_are_one_line_errors(trained, target_dir, tmp_path):
     out, _ = trained
-    with pytest.raises(ValueError, match="holds a checkpoint of an earlier run: --resume continues it"):
+    with pytest.raises(ValueError, match="holds an earlier run's data.pt and checkpoint.pt: --resume reuses"):
         train(train_args(target_dir, out))  # it would regenerate data.pt over the earlier run's
+    killed = tmp_path / "killed"  # killed before its first checkpoint: its data alone
+    killed.mkdir()
+    shutil.copy(out / "data.pt", killed / "data.pt")
+    with pytest.raises(ValueError, match="holds an earlier run's data.pt: --resume reuses"):
+        train(train_args(target_dir, killed))
     (tmp_path / "data.pt").write_bytes(b"not a torch file")
     with pytest.raises(ValueError, match="data.pt cannot be read as train-draft data"):
         train(train_args(target_dir, tmp_path, "--resume"))

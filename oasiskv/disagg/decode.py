@@ -23,6 +23,13 @@ PREEMPTED = ("preempted on the decode instance, whose host memory does not hold 
              "(it cannot be recomputed here); retry the request")
 
 
+class NoRoomError(ValueError):
+    """The decode instance has no room for a request's prompt blocks now; the same request (its kv_transfer_params
+    too: the prefill keeps the KV until its lease ends) may fit later. The server answers 503, not 400."""
+
+    retry_later = True
+
+
 class DecodeEngine(LLMEngine):
     def __init__(self, config: EngineConfig, disagg: DisaggConfig):
         if config.kv.mode != "oasis":
@@ -58,7 +65,12 @@ class DecodeEngine(LLMEngine):
             raise
         try:
             self.admit_prefilled(self.requests[rid], p)
-        except Exception as e:  # anything: a half-admitted request would fail every later step
+        except NoRoomError as e:  # for now: the prefill keeps the KV (its lease) for the request sent again
+            self.abort(rid)
+            self.pop_finished(rid)
+            self.remote.unclaim(p)
+            raise NoRoomError(f"could not take over the prefilled request: {e}") from e
+        except Exception as e:  # anything else: a half-admitted request would fail every later step
             self.abort(rid)
             self.pop_finished(rid)
             self.remote.give_back(p)
@@ -97,7 +109,7 @@ class DecodeEngine(LLMEngine):
             raise ValueError(f"the prefill instance computed {p['num_tokens']} prompt tokens, this prompt has {n}")
         need = self.scheduler.blocks_for(n)
         if not self.allocator.can_allocate(need):
-            raise MemoryError(f"no room for {need} more KV blocks on the decode instance")
+            raise NoRoomError(f"no room for {need} more KV blocks on the decode instance now; retry later")
         req.block_ids = self.allocator.allocate(need)
         self.remote.attach(req.request_id, p, req.block_ids, self.policy.summaries)
         req.num_computed_tokens = n

@@ -66,6 +66,10 @@ class RemoteKV:
                              "prefilled prompt is decoded once (send the request through the proxy again)")
         self.claimed[key] = float(params["lease_deadline"])
 
+    def unclaim(self, params: dict) -> None:
+        """The params may be used again (their request was refused for now, not for good)."""
+        self.claimed.pop((params["remote_agent"], params["remote_request_id"]), None)
+
     def give_back(self, params: dict) -> None:
         """Tells the prefill instance that a request it prefilled for us is refused, so it frees the prompt's KV
         now rather than at its lease's end."""

@@ -102,11 +102,10 @@ def interrupts_between_steps():
         yield asked.is_set
         return
 
-    def note(signum, frame):
+    def note(signum, frame):  # (no print here: a signal during another write to stdout would make it reentrant)
         if asked.is_set():
             raise KeyboardInterrupt
         asked.set()
-        print("\nstopping after this step (a second Ctrl-C stops at once)", flush=True)
 
     previous = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -148,9 +147,10 @@ def train(args: argparse.Namespace, on_step=None) -> TrainResult:
         raise ValueError(f"--dtype {args.dtype} trains on a GPU; on the CPU the target runs in float32 (--dtype auto)")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ValueError(f"--out {args.out} is a file, not a directory")
-    if not args.resume and os.path.isfile(os.path.join(args.out, "checkpoint.pt")):
-        raise ValueError(f"{args.out} holds a checkpoint of an earlier run: --resume continues it (and reuses its "
-                         "data.pt); to start again, give another --out or remove it")
+    earlier = [name for name in ("data.pt", "checkpoint.pt") if os.path.isfile(os.path.join(args.out, name))]
+    if earlier and not args.resume:  # a run killed before its first checkpoint leaves data.pt alone
+        raise ValueError(f"{args.out} holds an earlier run's {' and '.join(earlier)}: --resume reuses its data and "
+                         "continues its training; to start again, give another --out or remove them")
     os.makedirs(args.out, exist_ok=True)
     target, conversations = target_and_data(args, device, dtype)
     t_data = time.perf_counter() - t0
@@ -262,7 +262,8 @@ def fit(head, target, conversations, vocab_ids, args, device, dtype, on_step) ->
                 if not saved:
                     save_checkpoint(args, head, opt, sched, step + 1)
                 bar.close()
-                print(f"interrupted: checkpoint saved at step {step + 1} of {steps}")
+                print(f"interrupted: checkpoint saved at step {step + 1} of {steps} (a second Ctrl-C during a step "
+                      "stops at once)")
                 raise KeyboardInterrupt
     bar.close()
     return losses

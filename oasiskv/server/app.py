@@ -157,11 +157,11 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
 async def refusing(state: ServerState, body, response):
     """The response; a refused request's kv_transfer_params go back to the role (a decode instance tells the
-    prefill instance to free the prompt's KV now, not at its lease's end)."""
+    prefill instance to free the prompt's KV now, not at its lease's end), unless it may be sent again (503)."""
     try:
         return await response
-    except APIError:
-        if state.disagg is not None and body.kv_transfer_params is not None:
+    except APIError as e:
+        if state.disagg is not None and body.kv_transfer_params is not None and e.status != 503:  # 503: sent again
             state.disagg.refused(body.kv_transfer_params, state.loop)
         raise
 

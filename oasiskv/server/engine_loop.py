@@ -154,7 +154,9 @@ class EngineLoop:
                 self.engine.abort(rid)
                 self.engine.pop_finished(rid)
             prefix = f"prompt {len(added)}: " if len(ids) > 1 else ""
-            raise ValueError(prefix + str(e)) from e
+            error = ValueError(prefix + str(e))
+            error.retry_later = getattr(e, "retry_later", False)  # (the server answers 503 for those)
+            raise error from e
         loop, out, arrival = reply_to
         for index, (rid, prompt) in enumerate(zip(ids, prompts)):
             self.tracked[rid] = Tracked(loop, out, index, len(prompt), arrival=arrival)

@@ -26,8 +26,9 @@ class Submission:
                     prompt_param: str = "prompt") -> "Submission":
         try:
             ids, queue = await loop.add(prompts, params, top_logprobs, kv_transfer_params)
-        except ValueError as e:
-            raise APIError(str(e), param=prompt_param) from e
+        except ValueError as e:  # refused; a request that may fit later (a decode instance's room) is a 503
+            status = 503 if getattr(e, "retry_later", False) else 400
+            raise APIError(str(e), status=status, param=prompt_param if status == 400 else None) from e
         return cls(loop, ids, queue)
 
     async def outputs(self) -> AsyncIterator[tuple[int, Output]]:
