@@ -6,11 +6,11 @@ release timeout, renewed by the decode's keep-alive notifications while it decod
 one-sided: the prefill never sees them, so silence is the only sign of a dead decode)."""
 from __future__ import annotations
 
-import atexit
 import logging
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +39,20 @@ class Export:
     deadline: float
 
 
+def progress(agent: KVAgent, stopping: threading.Event, messages: queue.SimpleQueue) -> None:
+    """The agent's own thread (nothing else touches it after set-up): serves the decode instances' reads and queues
+    their notifications for the engine thread. It holds no reference to the exporter, which can then be collected."""
+    while not stopping.wait(PROGRESS_S):
+        for message in agent.progress():
+            messages.put(message)
+
+
+def stop(stopping: threading.Event, poller: threading.Thread) -> None:
+    stopping.set()
+    if poller is not threading.current_thread():
+        poller.join(timeout=5)
+
+
 class KVExporter:
     def __init__(self, engine: LLMEngine, agent: KVAgent, cfg: DisaggConfig):
         self.engine, self.agent, self.cfg = engine, agent, cfg
@@ -55,20 +69,12 @@ class KVExporter:
         self.released = self.expired = 0
         self.messages: queue.SimpleQueue[bytes] = queue.SimpleQueue()  # from the progress thread
         self.stopping = threading.Event()
-        self.poller = threading.Thread(target=self.progress, name="oasiskv-nixl-progress", daemon=True)
+        self.poller = threading.Thread(target=progress, args=(agent, self.stopping, self.messages),
+                                       name="oasiskv-nixl-progress", daemon=True)
         self.poller.start()
-        atexit.register(self.close)  # a thread still inside NIXL at interpreter exit aborts the process
-
-    def progress(self) -> None:
-        """The agent's own thread (nothing else touches it after set-up): serves the decode
-        instances' reads and queues their notifications for the engine thread."""
-        while not self.stopping.wait(PROGRESS_S):
-            for message in self.agent.progress():
-                self.messages.put(message)
-
-    def close(self) -> None:
-        self.stopping.set()
-        self.poller.join(timeout=5)
+        # the thread stops when this exporter is collected (it polled on for every engine a process dropped) and at
+        # interpreter exit (a thread still inside NIXL then aborts the process)
+        self.close = weakref.finalize(self, stop, self.stopping, self.poller)
 
     def export(self, request_id: str, block_ids: list[int], num_tokens: int, first_token: int) -> None:
         self.engine.policy.wait_for_host_writes(host=True)  # decode instances read these blocks from the host
