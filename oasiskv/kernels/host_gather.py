@@ -40,7 +40,6 @@ A CUDA pool with an unpinned CPU host store falls back to an indexed copy throug
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 import weakref
 
@@ -49,6 +48,7 @@ import triton
 import triton.language as tl
 
 from oasiskv.kernels.device_info import num_sms
+from oasiskv.kernels.value_checks import interpreted
 
 __all__ = [
     "gather_host_blocks",
@@ -102,10 +102,6 @@ def _copy_chunk(src_ptr, dst_ptr, layer_ptr, src_idx_ptr, dst_idx_ptr, src_layer
 WORD_DTYPES = {4: torch.int32, 2: torch.int16, 1: torch.uint8}  # same-size integer views: exact copies
 _TYPESTR = {torch.int32: "<i4", torch.int16: "<i2", torch.uint8: "|u1"}
 _warned_unpinned = False
-
-
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _check(name_src, src, name_dst, dst, layer_ids, src_idx, dst_idx, idx_names):
@@ -241,7 +237,7 @@ def _copy(src, dst, layer_ids, src_idx, dst_idx, stream, reference, **tune):
     """Shared body of both directions: pick the kernel (CUDA / interpreter) or the reference."""
     global _warned_unpinned
     if not (src.is_cuda or dst.is_cuda):
-        if _interpret():
+        if interpreted():
             w = _word_size(src, dst)
             chunk_words = _chunk_numel(src) * src.element_size() // w
             _launch(_words(src, w), _words(dst, w), src.stride(0) * src.element_size() // w,

@@ -33,14 +33,12 @@ distribution of selection lengths is handled correctly.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from oasiskv.kernels.device_info import num_sms
-from oasiskv.kernels.value_checks import check_range, checks_values
+from oasiskv.kernels.value_checks import check_range, checks_values, interpreted
 
 __all__ = ["sparse_decode_attention", "sparse_decode_attention_padded", "sparse_decode_padded_reference",
            "sparse_decode_reference"]
@@ -180,7 +178,7 @@ def _sparse_decode_merge_kernel(
 
 
 def _use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return t.is_cuda or interpreted()
 
 
 
