@@ -215,3 +215,33 @@ def test_a_shortlist_runs_with_every_mode_that_takes_one(tiny, tmp_path):
     assert set(rows) == set(MODES) and all(r["output_tok_s"] > 0 for r in rows.values())
     assert "working sets of 9 blocks" in rows["oasis"]["kv"]  # the list of 8 and the block a draft opens
     assert "working sets of 8 blocks" in rows["retrieval"]["kv"]  # the list of 8
+
+
+@pytest.mark.parametrize("mode", ["dense", "oasis"])
+def test_the_warm_up_prefills_every_chunk_shape_the_run_will(tiny, mode):
+    """A long prompt's later chunks attend to prefixes of new lengths; whatever a shape costs the first time
+    (cuDNN plans one per shape and process) must fall in the untimed warm-up, not on the first mode's first prompt."""
+    from oasiskv.bench.workload import random_prompts, run_workload, warm_up
+
+    cfg = EngineConfig(model=tiny, load_format="dummy", show_progress=False,
+                       kv=KVConfig(mode=mode, budget=64, sink_blocks=1, local_blocks=1, host_kv_gb=0.002,
+                                   fetch_cap=0.5),
+                       cache=CacheConfig(kv_cache_gb=0.002),
+                       scheduler=SchedulerConfig(max_model_len=1024, max_num_batched_tokens=128,
+                                                 schedule_policy="prefill-first"))
+    engine = LLMEngine(cfg)
+    shapes, schedule = [], engine.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        shapes.append({(c.start, len(c.token_ids)) for c in out.chunks if len(c.token_ids) > 1})
+        return out
+
+    engine.scheduler.schedule = recording_schedule
+    warm_up(engine, input_len=512, steps=1, seed=0, batch=2)
+    warmed = set().union(*shapes)
+    shapes.clear()
+    run_workload(engine, random_prompts(2, 512, 512, seed=0), output_len=2, concurrency=2)
+    run = set().union(*shapes)
+    assert {(384, 128), (256, 128), (128, 128)} <= run  # the run's prompts are chunked
+    assert run <= warmed, sorted(run - warmed)

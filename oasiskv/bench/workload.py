@@ -80,14 +80,23 @@ def warm_up(engine, input_len: int, steps: int, seed: int, batch: int = 1) -> No
     the batch the run will decode (Triton specialises on its integer arguments). At least two blocks'
     worth of steps, so that steps in which drafts open blocks run too. The prompts are shorter than
     the run's, just long enough for sparse modes to select in every layer (twice the largest layer budget):
-    steps where some layer attends densely run eagerly and would leave the run's graphs uncaptured."""
+    steps where some layer attends densely run eagerly and would leave the run's graphs uncaptured.
+    Then one prompt of the run's length, prefilled alone: the later chunks of a long prompt attend to prefixes
+    of new lengths, and what those shapes cost the first time (cuDNN builds a plan per shape, once per
+    process) would otherwise fall on the first prompt of the first mode measured."""
     if steps < 1:
         return
     steps = max(steps, 2 * engine.block_size)
     budget = engine.config.kv.largest_budget(engine.model_config.num_layers, engine.block_size)
     length = min(input_len, 2 * budget + engine.block_size + 1)
     prompts = random_prompts(batch, length, engine.model_config.vocab_size, seed + 10_000)
-    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
+    run_to_end(engine, prompts, SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True))
+    if input_len > length:
+        prompt = random_prompts(1, input_len, engine.model_config.vocab_size, seed + 20_000)
+        run_to_end(engine, prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+
+
+def run_to_end(engine, prompts: list[list[int]], params: SamplingParams) -> None:
     ids = [engine.add_request(p, params) for p in prompts]
     while not all(engine.requests[rid].finished for rid in ids):
         engine.step()
