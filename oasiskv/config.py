@@ -347,6 +347,20 @@ class DisaggConfig:
             raise ValueError(f"--remote-cache-blocks must be >= 0, got {self.remote_cache_blocks}")
         if self.local_kv_blocks is not None and self.local_kv_blocks < 1:
             raise ValueError(f"--local-kv-blocks must be >= 1, got {self.local_kv_blocks}")
+        self.check_flags_fit_the_role()
+
+    # each setting that only some roles read, with its flag: set for another role, it would be silently ignored
+    ROLE_SETTINGS = (("release_timeout_s", "--kv-release-timeout", ("prefill",)),
+                     ("read_timeout_s", "--kv-read-timeout", ("decode",)),
+                     ("remote_cache_blocks", "--remote-cache-blocks", ("decode",)),
+                     ("local_kv_blocks", "--local-kv-blocks", ("decode",)))
+
+    def check_flags_fit_the_role(self) -> None:
+        default = DisaggConfig()
+        for name, flag, roles in self.ROLE_SETTINGS:
+            if getattr(self, name) != getattr(default, name) and self.role not in roles:
+                where = "without --role" if self.role is None else f"with --role {self.role}"
+                raise ValueError(f"{flag} is read only with --role {' or '.join(roles)}; it would be ignored {where}")
 
 
 SCHEDULE_POLICIES = ("mixed", "prefill-first")

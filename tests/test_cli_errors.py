@@ -66,6 +66,13 @@ CASES = [
     (GENERATE + ["--speculative-config", '{"method": "ngram", "model": "/x"}'], "speculative_config must look like"),
     (["serve", "--role", "decode", "--kv-mode", "oasis", "-tp", "2"],
      "--role decode runs on one GPU: --tensor-parallel-size must be 1, got 2"),
+    # ignored before: a setting of one role given to a single instance or to the other role
+    (["serve", "--kv-release-timeout", "5"],
+     "--kv-release-timeout is read only with --role prefill; it would be ignored without --role"),
+    (["serve", "--role", "prefill", "--kv-mode", "oasis", "--remote-cache-blocks", "9"],
+     "--remote-cache-blocks is read only with --role decode; it would be ignored with --role prefill"),
+    (["serve", "--role", "decode", "--kv-mode", "oasis", "--kv-release-timeout", "5"],
+     "--kv-release-timeout is read only with --role prefill; it would be ignored with --role decode"),
 ]
 if not torch.cuda.is_available():
     CASES.append((GENERATE + ["--device", "cuda"], "no CUDA GPU is available here"))

@@ -21,7 +21,7 @@ from oasiskv.engine.overlap import InFlight, resolve_async_scheduling
 from oasiskv.engine.upload import HostCopies
 from oasiskv.engine.runner import ModelRunner
 from oasiskv.engine.sampler import Sampler
-from oasiskv.engine.scheduler import Scheduler
+from oasiskv.engine.scheduler import GPU_POOL, HOST_STORE, Scheduler
 from oasiskv.kv.gpu_pool import bytes_per_block, plan_num_blocks
 from oasiskv.lookahead.base import DraftChunk
 from oasiskv.lookahead.factory import build_draft_source
@@ -115,7 +115,8 @@ class LLMEngine:
             attach_score_combiner(self.policy, self.tp, self.model_config)
         self.kv_description = kv.description
         sched_cfg = dataclasses.replace(config.scheduler, max_num_seqs=kv.max_running)
-        self.scheduler = Scheduler(sched_cfg, self.allocator, self.block_size, self.max_model_len)
+        self.scheduler = Scheduler(sched_cfg, self.allocator, self.block_size, self.max_model_len,
+                                   HOST_STORE if config.kv.offloaded else GPU_POOL)
         graphs = DecodeGraphs(self.model, self.policy) if use_graphs else None
         if graphs is not None and self.tp:
             self.tp.before_leave.append(weakref.WeakMethod(graphs.release))

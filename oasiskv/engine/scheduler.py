@@ -44,10 +44,17 @@ class SchedulerOutput:
         return sum(len(c.token_ids) for c in self.chunks)
 
 
+# what an allocator's blocks live in, named for the error a user can act on
+GPU_POOL = "GPU KV pool (--kv-cache-gb or --num-kv-blocks)"
+HOST_STORE = "host KV store (--host-kv-gb or --num-kv-blocks)"
+
+
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, allocator: BlockAllocator, block_size: int, max_model_len: int):
+    def __init__(self, cfg: SchedulerConfig, allocator: BlockAllocator, block_size: int, max_model_len: int,
+                 kv_memory: str = GPU_POOL):
         self.cfg, self.allocator, self.block_size = cfg, allocator, block_size
         self.max_model_len = max_model_len
+        self.kv_memory = kv_memory
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -71,8 +78,8 @@ class Scheduler:
         longest = min(n + req.params.max_tokens, self.max_model_len) - 1
         if self.blocks_for(longest) > self.allocator.num_blocks:
             raise ValueError(
-                f"request needs up to {self.blocks_for(longest)} KV blocks ({longest} tokens) but the pool "
-                f"has {self.allocator.num_blocks}; lower max_tokens or enlarge the KV cache"
+                f"request needs up to {self.blocks_for(longest)} KV blocks ({longest} tokens) but the "
+                f"{self.kv_memory} has {self.allocator.num_blocks}; lower max_tokens or enlarge it"
             )
 
     def add(self, req: Request) -> None:
