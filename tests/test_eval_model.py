@@ -142,3 +142,32 @@ def test_eval_rejects_empty_sizes_before_loading(monkeypatch, flag, value):
     monkeypatch.setattr(engine, "load_model", lambda *a, **k: pytest.fail("weights loaded before the sizes' check"))
     with pytest.raises(SystemExit, match=f"{flag} must be at least 1"):
         main(["eval", "--quick", "--corpus", "sample", "--modes", "dense", flag, value])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--kv-budget", ","], "--kv-budget lists nothing"),  # an IndexError before
+    (["--context", ","], "--context lists nothing"),  # ran nothing and reported 0 contexts
+    (["--tasks", "ppl,nosuch"], "--tasks takes tasks among ppl, copy, .*, got 'ppl,nosuch'"),  # after the corpus
+])
+def test_eval_rejects_empty_lists_and_unknown_tasks_before_any_work(monkeypatch, flags, message):
+    from oasiskv.cli import main
+    from oasiskv.engine import engine
+    from oasiskv.evals import texts
+
+    monkeypatch.setattr(engine, "load_model", lambda *a, **k: pytest.fail("weights loaded before the flags' check"))
+    monkeypatch.setattr(texts, "load_corpus", lambda *a, **k: pytest.fail("corpus read before the flags' check"))
+    with pytest.raises(SystemExit, match=message):
+        main(["eval", "--quick", "--corpus", "sample", "--modes", "dense", *flags])
+
+
+def test_eval_runs_a_value_listed_twice_once():
+    import argparse
+
+    from oasiskv.evals import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_args(parser)
+    args = parser.parse_args(["--kv-budget", "512,512,1024", "--context", "1024,1024", "--tasks", "ppl,ppl"])
+    cli.fill_sizes(args)
+    cli.check_lists(args)
+    assert (args.kv_budget, args.context, args.tasks) == ([512, 1024], [1024], ["ppl"])

@@ -47,6 +47,14 @@ def test_samples_are_deterministic_and_fit_the_context(haystack, task):
         assert CONTEXT - 64 <= len(s.prompt_ids) + s.max_tokens <= CONTEXT
 
 
+def test_chat_samples_on_a_model_without_a_tokenizer(haystack):
+    """A random-weight model's byte tokenizer has no `hf`: `eval --chat` on one failed with an AttributeError."""
+    sample = make_samples("niah_single", haystack, CONTEXT, 1, seed=0, chat=True)[0]
+    text = prompt_text(sample)
+    assert text.startswith("user: ") and "\nassistant: " in text
+    assert CONTEXT - 64 <= len(sample.prompt_ids) + sample.max_tokens <= CONTEXT
+
+
 @pytest.mark.parametrize("task,keys,values", [("niah_single", 1, 1), ("niah_multikey", 4, 1),
                                                ("niah_multivalue", 1, 4)])
 def test_needle_answers_match_a_brute_force_reading(haystack, task, keys, values):
@@ -156,3 +164,34 @@ def test_drops_point_the_same_way_and_report_files(tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())["results"][3]["drop"] == 10.0
     plot(tmp_path / "r.png", rows)
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("sizes", ["16,4", "4,16"])
+def test_the_whole_block_row_has_whole_block_summaries_in_any_order(sizes):
+    """The base configuration took the first listed size: with 4,16 the row named quest ran 4-token summaries."""
+    import argparse
+
+    from oasiskv.evals import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_args(parser)
+    args = parser.parse_args(["--modes", "dense,quest", "--kv-budget", "512", "--summary-tokens", sizes])
+    cli.fill_sizes(args)
+    config = cli.base_config(args)
+    listed = [None if n == config.cache.block_size else n for n in args.summary_tokens]
+    got = {v.label: variant_config(config, v).kv.summary_tokens
+           for v in expand_variants(args.modes, args.kv_budget, None, None, summary_tokens=listed)}
+    assert got == {"quest budget=512": None, "quest+sum4 budget=512": 4}
+
+
+def test_the_plot_draws_lookahead_agreement_as_values(tmp_path, monkeypatch):
+    """Dense predicts nothing, so agreement rows have no drop; the plot kept only rows with a drop and left the
+    agreement panel out (with agreement alone: 'nothing to plot')."""
+    from oasiskv.evals import report
+
+    agreement = [{**row(1024, Variant("oasis", b, 0.05), "lookahead", "agreement", v), "dense": None}
+                 for b, v in ((512, 90.0), (1024, 95.0))]
+    drawn = []
+    monkeypatch.setattr("matplotlib.axes.Axes.plot", lambda ax, x, y, **kw: drawn.append((list(x), list(y))))
+    report.plot(tmp_path / "a.png", rows_for_report() + agreement)
+    assert ([512, 1024], [90.0, 95.0]) in drawn

@@ -83,16 +83,25 @@ def fill_sizes(args: argparse.Namespace) -> None:
             value = quick if args.quick else full
             setattr(args, name, csv(int)(value) if isinstance(value, str) else value)
         values = getattr(args, name)
+        if values == []:
+            raise SystemExit(f"error: --{name.replace('_', '-')} lists nothing")
         for v in values if isinstance(values, list) else [values]:
             if v < 1:
                 raise SystemExit(f"error: --{name.replace('_', '-')} must be at least 1, got {v}")
+        if isinstance(values, list):  # a value listed twice would run twice and overwrite its own cells
+            setattr(args, name, list(dict.fromkeys(values)))
 
 
 def check_lists(args: argparse.Namespace) -> None:
     """The listed modes and caps, before the dense anchor runs (a bad one was found after it, or made a row that
     was silently skipped)."""
     from oasiskv.config import KV_MODES
+    from oasiskv.evals.tasks import ALL_TASKS
 
+    unknown = [t for t in args.tasks if t not in ALL_TASKS]
+    if unknown or not args.tasks:  # before the corpus, which may be fetched first
+        raise SystemExit(f"error: --tasks takes tasks among {', '.join(ALL_TASKS)}, got {','.join(args.tasks)!r}")
+    args.tasks = list(dict.fromkeys(args.tasks))
     bad = [m for m in args.modes if m not in KV_MODES]
     if bad:
         raise SystemExit(f"error: --modes takes modes among {', '.join(KV_MODES)}, got {bad[0]!r}")
@@ -110,9 +119,10 @@ def base_config(args: argparse.Namespace):
 
     defaults = KVConfig()
     scalar = dict(vars(args), kv_mode="dense", kv_budget=args.kv_budget[0])
-    for name in ("fetch_cap", "draft", "block_score", "miss_policy", "select_per", "summary_tokens"):
+    for name in ("fetch_cap", "draft", "block_score", "miss_policy", "select_per"):
         values = getattr(args, name)
         scalar[name] = values[0] if values else getattr(defaults, name, None)
+    scalar["summary_tokens"] = None  # whole blocks: a row with finer summaries names its size (a listed 16 names none)
     scalar["layer_weights"] = ()  # the weighted rows carry their own; the base serves modes that take none
     scalar["shortlist"] = 0.0  # likewise: only the modes that take one
     return engine_config(argparse.Namespace(**scalar))

@@ -9,6 +9,7 @@ from oasiskv.evals.tasks import HIGHER_IS_BETTER
 
 PLOTTED = (("ppl", "top1_agree"), ("ppl", "kl"), ("copy", "copy_acc"), ("synthetic", "mean_score"),
            ("long_output", "same_tokens"), ("lookahead", "agreement"))
+UNANCHORED = {("lookahead", "agreement")}  # dense predicts nothing: plotted as values, not drops
 
 
 def drop(r: dict) -> float | None:
@@ -16,6 +17,13 @@ def drop(r: dict) -> float | None:
         return None
     diff = r["value"] - r["dense"]
     return (-diff if HIGHER_IS_BETTER.get(r["metric"], True) else diff) + 0.0  # + 0.0: no "-0.00"
+
+
+def plotted(r: dict) -> float | None:
+    """What a row's point is in the plot: its drop against dense, or its value where dense has none."""
+    if (r["task"], r["metric"]) in UNANCHORED:
+        return None if r["mode"] == "dense" else r["value"]
+    return drop(r)
 
 
 def with_drops(rows: list[dict]) -> list[dict]:
@@ -86,7 +94,7 @@ def plot(path: str, rows: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [p for p in PLOTTED if any((r["task"], r["metric"]) == p and drop(r) is not None for r in rows)]
+    panels = [p for p in PLOTTED if any((r["task"], r["metric"]) == p and plotted(r) is not None for r in rows)]
     if not panels:
         raise ValueError("nothing to plot: no mode besides dense was run")
     cols = min(3, len(panels))
@@ -95,14 +103,16 @@ def plot(path: str, rows: list[dict]) -> None:
     for ax, (task, metric) in zip(axes.flat, panels):
         lines = defaultdict(list)
         for r in rows:
-            if (r["task"], r["metric"]) == (task, metric) and drop(r) is not None:
-                lines[(r["series"], r["context"])].append((r["budget"], drop(r)))
+            if (r["task"], r["metric"]) == (task, metric) and plotted(r) is not None:
+                lines[(r["series"], r["context"])].append((r["budget"], plotted(r)))
         for (name, context), points in sorted(lines.items()):
             points.sort()
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{name} {context // 1024}K")
-        ax.axhline(0, color="grey", linewidth=0.8)
+        anchored = (task, metric) not in UNANCHORED
+        if anchored:
+            ax.axhline(0, color="grey", linewidth=0.8)
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{task}: {metric} drop vs dense")
+        ax.set_title(f"{task}: {metric} drop vs dense" if anchored else f"{task}: {metric}")
         ax.set_xlabel("KV budget (tokens)")
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels):]:

@@ -132,7 +132,7 @@ def render(parts: Parts, tokenizer, chat: bool) -> list[int]:
     if not chat:
         return tokenizer.encode(f"{text}\n{parts.answer_prefix}")
     return tokenizer.apply_chat_template([{"role": "user", "content": text}]) + \
-        tokenizer.hf.encode(parts.answer_prefix, add_special_tokens=False)
+        tokenizer.encode_continuation(parts.answer_prefix)
 
 
 def make_sample(task: str, haystack: Haystack, context: int, seed: int, chat: bool = False) -> SyntheticSample:

@@ -28,6 +28,10 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=True))
 
+    def encode_continuation(self, text: str) -> list[int]:
+        """Ids of text that follows other ids (no BOS or other special tokens added)."""
+        return list(self.hf.encode(text, add_special_tokens=False))
+
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)
 
@@ -42,7 +46,7 @@ class HFTokenizer:
         text = self.hf.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
                                            add_generation_prompt=add_generation_prompt,
                                            continue_final_message=continue_final_message, **template_kwargs)
-        return list(self.hf.encode(text, add_special_tokens=False))
+        return self.encode_continuation(text)
 
 
 class ByteTokenizer:
@@ -53,6 +57,8 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    encode_continuation = encode  # bytes add no special tokens
 
     def decode(self, ids: Sequence[int]) -> str:
         out, pending = [], bytearray()
