@@ -387,3 +387,22 @@ def record_drafts(engine: LLMEngine) -> dict[tuple[str, int], int]:
 
     engine.runner.execute = run
     return drafts
+
+
+def test_a_layers_first_sparse_step_judges_no_agreement():
+    """A layer attends densely while its budget covers the context and predicts nothing then; the first step where
+    the context outgrows the budget judged x_t's selection against that missing prediction (0 of every block)."""
+    budget = SPARSE["kv_budget"]  # 4 blocks of 16: sparse once a decode row's context reaches a fifth block
+    llm = LLM(show_progress=False, kv_mode="oasis", fetch_cap=1.0, **SPARSE)
+    engine, policy = llm.engine, llm.engine.policy
+    column = policy.counter_index["agree_total"]
+    engine.add_request(list(range(3, 53)), GREEDY, request_id="0")  # 50 tokens: dense steps first
+    judged = {}
+    while engine.has_unfinished():
+        before = int(policy.row_counts[0, :, column].sum())
+        engine.step()
+        length = engine.requests["0"].num_computed_tokens  # the context x_t attended to in this step
+        if not engine.requests["0"].finished:
+            judged[length] = int(policy.row_counts[0, :, column].sum()) - before
+    assert all(judged[n] == 0 for n in judged if n <= budget + 1)  # dense steps, then the first sparse one
+    assert all(judged[n] > 0 for n in judged if n > budget + 1)

@@ -125,3 +125,19 @@ def test_per_kv_head_with_layer_weights_a_perfect_draft_gives_quests_tokens_with
     oasis, stats = run_with_perfect_draft(llm, LONG, quest)
     assert oasis == quest
     assert stats["kv_prefetched_blocks"] > 0
+
+
+@pytest.mark.parametrize("miss_policy", ["skip", "fetch"])
+def test_a_list_of_the_budget_counts_the_misses_of_no_list(miss_policy):
+    """A list of the budget itself selects what no list selects. The list's fetch (cold rows; every row under fetch)
+    ran before the residency check, which then counted the blocks it brought as hits: 0 misses under fetch where no
+    list had 18 (a helper's run). Same tokens, so the same hits and misses."""
+    stats = {}
+    for shortlist in (0.0, 1.0):
+        llm = LLM(show_progress=False, kv_mode="oasis", fetch_cap=0.25, miss_policy=miss_policy, draft="repeat",
+                  shortlist=shortlist, **SPARSE)
+        tokens = run(llm)
+        counts = llm.engine.stats_dict()
+        stats[shortlist] = (tokens, *(counts[k] for k in ("kv_selected_blocks", "kv_hits", "kv_misses")))
+    assert stats[0.0][0] == stats[1.0][0]
+    assert stats[0.0][3] > 0 and stats[0.0][1:] == stats[1.0][1:]

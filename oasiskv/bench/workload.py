@@ -20,7 +20,7 @@ from oasiskv.bench.report import sig
 from oasiskv.config import SamplingParams
 
 KV_COUNTERS = ("kv_bytes_gathered", "kv_prefetch_bytes", "kv_agree_hits", "kv_agree_total", "kv_hits",
-               "kv_selected_blocks", "kv_misses", "kv_filled_blocks", "kv_time_prefetch_s",
+               "kv_selected_blocks", "kv_misses", "kv_left_out_blocks", "kv_filled_blocks", "kv_time_prefetch_s",
                "kv_time_prefetch_exposed_s")
 
 
@@ -81,7 +81,7 @@ def warm_up(engine, input_len: int, steps: int, seed: int, batch: int = 1) -> No
     worth of steps, so that steps in which drafts open blocks run too. The prompts are shorter than
     the run's, just long enough for sparse modes to select in every layer (twice the largest layer budget):
     steps where some layer attends densely run eagerly and would leave the run's graphs uncaptured.
-    Then one prompt of the run's length, prefilled alone: the later chunks of a long prompt attend to prefixes
+    Before them one prompt of the run's length, prefilled alone: the later chunks of a long prompt attend to prefixes
     of new lengths, and what those shapes cost the first time (cuDNN builds a plan per shape, once per
     process) would otherwise fall on the first prompt of the first mode measured."""
     if steps < 1:
@@ -89,11 +89,11 @@ def warm_up(engine, input_len: int, steps: int, seed: int, batch: int = 1) -> No
     steps = max(steps, 2 * engine.block_size)
     budget = engine.config.kv.largest_budget(engine.model_config.num_layers, engine.block_size)
     length = min(input_len, 2 * budget + engine.block_size + 1)
-    prompts = random_prompts(batch, length, engine.model_config.vocab_size, seed + 10_000)
-    run_to_end(engine, prompts, SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True))
     if input_len > length:
         prompt = random_prompts(1, input_len, engine.model_config.vocab_size, seed + 20_000)
         run_to_end(engine, prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    prompts = random_prompts(batch, length, engine.model_config.vocab_size, seed + 10_000)
+    run_to_end(engine, prompts, SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True))
 
 
 def run_to_end(engine, prompts: list[list[int]], params: SamplingParams) -> None:
@@ -197,7 +197,7 @@ def summarize(engine, done, log: StepLog, elapsed: float, stats0: dict, kv: dict
         "prefetch_gb_per_step": sig(kv["kv_prefetch_bytes"] / steps / 1e9) if "kv_prefetch_bytes" in kv else None,
         "hit_rate": ratio(kv.get("kv_hits"), kv.get("kv_selected_blocks")),
         "agreement": ratio(kv.get("kv_agree_hits"), kv.get("kv_agree_total")),
-        "fill_rate": ratio(kv.get("kv_filled_blocks"), kv.get("kv_misses")),
+        "fill_rate": ratio(kv.get("kv_filled_blocks"), kv.get("kv_left_out_blocks")),
         "draft_accuracy": ratio(engine.stats.draft_tokens_right - stats0["draft_tokens_right"],
                                 engine.stats.draft_tokens - stats0["draft_tokens"]),
         **exposed_wait(kv, log.steps_with_decodes - log.replay_steps),

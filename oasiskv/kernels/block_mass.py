@@ -199,6 +199,19 @@ def block_mass_scores_multi_reference(q: torch.Tensor, summaries: torch.Tensor, 
     _check_parts(summaries, parts, _BLOCK_N)
     _check_values(summaries, block_tables, num_blocks, "num_blocks", parts)
     nq, bsz, hq, d = q.shape
+    # as in the kernel, a query's scores do not depend, to the bit, on the queries beside it or on table columns past
+    # every sequence's blocks (oasis scores x_t beside its draft over one column more, quest alone; one einsum
+    # over both rounded them apart): one query at a time, over the columns in use
+    if nq > 1:
+        return torch.cat([block_mass_scores_multi_reference(q[i:i + 1], summaries, block_tables, num_blocks[i:i + 1],
+                                                            scale, parts, radius_weight) for i in range(nq)])
+    width = int(num_blocks.max()) if num_blocks.numel() else 0
+    if width < block_tables.shape[1]:
+        out = torch.full((1, *block_tables.shape), float("-inf"), device=q.device)
+        if width:
+            out[:, :, :width] = block_mass_scores_multi_reference(q, summaries, block_tables[:, :width], num_blocks,
+                                                                  scale, parts, radius_weight)
+        return out
     hkv = summaries.shape[2]
     by_block = summaries.view(-1, parts, *summaries.shape[1:])  # [blocks, parts, 2, Hkv, D]
     s = by_block[block_tables.long().clamp(min=0)].flatten(1, 2).float()  # [B, W x parts, 2, Hkv, D]

@@ -54,8 +54,9 @@ class DraftRows(TieredRows):
 class OasisPolicy(TieredPolicy):
     name = "oasis"
     wants_drafts = True
+    # left_out_blocks: misses that no fetch served, which "fill" gives resident blocks' places (counted under fill)
     COUNTERS = TieredPolicy.COUNTERS + ("prefetched_blocks", "cold_fetched_blocks", "miss_fetched_blocks",
-                                        "filled_blocks", "agree_hits", "agree_total")
+                                        "left_out_blocks", "filled_blocks", "agree_hits", "agree_total")
     STEP_TENSORS = TieredPolicy.STEP_TENSORS + ("cold", "fresh")
     LANES = 3  # compute, copy stream, tail stream
     TAIL_LANE = 2
@@ -81,6 +82,10 @@ class OasisPolicy(TieredPolicy):
         self.predicted = torch.zeros(layers, rows, self.ws.max_blocks + 1, dtype=torch.bool, device=self.pool.kv.device)
         self.most_prefetched = torch.zeros(self.LANES, dtype=torch.int64, device=self.pool.kv.device)
         self.predicted_at: dict[int, int] = {}  # row -> step of its latest prediction
+        # layers sparse in the last step, and those sparse now that were not: a dense layer predicts nothing, so a
+        # layer's first sparse step has no prediction to judge agreement by
+        self.sparse_layers: frozenset[int] = frozenset()
+        self.turned_sparse: frozenset[int] = frozenset()
         self.prefetched: list[torch.cuda.Event | None] = [None] * layers
         self.clock = EventClock() if self.cuda else None
         self.decode_steps = 0
@@ -128,6 +133,8 @@ class OasisPolicy(TieredPolicy):
         self.any_opens = any(n % self.block_size == 0 for n in seq_lens)  # a draft starts a new block
         self.predicted_at.update((r, step) for r in rows)
         self.decode_steps += bool(rows)
+        sparse = frozenset(layer for layer in range(self.pool.kv.shape[0]) if not self.is_dense_layer(layer))
+        self.turned_sparse, self.sparse_layers = sparse - self.sparse_layers, sparse
         self.waiting = []
         # what a capture leaves for capture_tail; cleared here too, in case the last capture failed before it ran
         self.deferring, self.deferred, self.tail_inputs = False, [], None
@@ -161,10 +168,10 @@ class OasisPolicy(TieredPolicy):
         return max(earlier) + 1 if earlier else self.cfg.dense_layers
 
     def graph_key(self):
-        """Captured: steps without a cold request (its first decode fetches every miss); whether a draft
-        opens a block is baked in."""
+        """Captured: steps without a cold request (its first decode fetches every miss) and without a layer's first
+        sparse step (which judges no agreement); whether a draft opens a block is baked in."""
         key = super().graph_key()
-        return None if key is None or self.any_cold else key + (self.any_opens,)
+        return None if key is None or self.any_cold or self.turned_sparse else key + (self.any_opens,)
 
     def begin_capture(self) -> None:
         super().begin_capture()
@@ -318,6 +325,7 @@ class OasisPolicy(TieredPolicy):
         filled) the drafts' K/V are written too, in the same launch on the GPU."""
         attended, selection, scores, draft_scores = self.check_residency(layer, q, dense, draft)
         if self.fills(dense):
+            self.count("left_out_blocks", (selection >= 0) & (attended[:, :-1] < 0))
             fill = fill_misses if self.cuda else fill_misses_reference
             counters = FillCounters(self.row_counts[0], self.layer_counts[0], self.counter_index["filled_blocks"],
                                     layer)
@@ -327,21 +335,23 @@ class OasisPolicy(TieredPolicy):
 
     def check_residency(self, layer, q, dense, draft: DraftWrite | None):
         """resident_selection before any fill: (attended, x_t's selection, its scores or None, draft scores)."""
-        scores = draft_scores = None
+        scores = draft_scores = before_list = None
         if dense:  # every block; no prediction is made for dense layers, so no agreement either
             selection, judged = self.rows_now.every_block, torch.zeros_like(self.fresh)
         else:
             with self.timer("select"):
                 scores, draft_scores = self.score_now_and_draft(layer, q)
                 budget = self.layer_budget_blocks[layer]
-                ranked = self.rank_resident_list(layer, q[:self.meta.num_decode], scores, budget) \
-                    if self.cfg.shortlist else scores
+                ranked, before_list = self.rank_resident_list(layer, q[:self.meta.num_decode], scores, budget) \
+                    if self.cfg.shortlist else (scores, None)
                 _, selection = self.select_by(ranked, budget)
-            judged = self.fresh
+            judged = torch.zeros_like(self.fresh) if layer in self.turned_sparse else self.fresh
         check = resident_selection if self.cuda else resident_selection_reference  # + selected/hit/miss/agreement
         opened = self.rows_now.opened
         attended = check(selection, self.ws._slot_of, self.predicted, self.rows, judged, self.row_counts[0],
                          self.layer_counts[0], self.residency_counters, layer, opened, draft)
+        if before_list is not None:
+            self.count_list_fetches_as_misses(selection, before_list, attended[:, :-1])
         if not self.fetches(dense):  # misses are left out
             return attended, selection, scores, draft_scores
         fetch_all = dense or self.fetch_every_miss
@@ -355,22 +365,33 @@ class OasisPolicy(TieredPolicy):
         attended = torch.cat([torch.where((resident >= 0) | fetched, selection, -1), opened[:, None]], 1)
         return attended, selection, scores, draft_scores
 
-    def rank_resident_list(self, layer, q, scores, budget: int) -> torch.Tensor:
+    def rank_resident_list(self, layer, q, scores, budget: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """--shortlist: x_t's list (its scores' best shortlist x budget blocks; the prediction was the draft's list),
         its blocks not on the GPU fetched first where this step fetches misses (cold rows; every row under "fetch"),
         then ranked by the exact mass of its resident blocks: listed blocks still not resident rank after those
-        (as misses), blocks off the list never. With the whole list resident this is quest's second pass."""
+        (as misses), blocks off the list never. With the whole list resident this is quest's second pass.
+        Returns (the ranking, the residency table before the list's fetch, or None where nothing was fetched)."""
         width = scores.shape[1]
         _, listed = self.select_by(scores, self.cfg.shortlist_blocks(budget), count=False)
+        before = None
         if self.fetches(dense=False):
             rows = torch.ones_like(self.cold) if self.fetch_every_miss else self.cold
-            resident = self.ws.table(layer, self.rows, width).gather(1, listed.long().clamp(min=0)) >= 0
+            before = self.ws.table(layer, self.rows, width)
+            resident = before.gather(1, listed.long().clamp(min=0)) >= 0
             with self.timer("gather"):
                 fetched, _ = self.fetch(layer, torch.where((listed >= 0) & ~resident & rows[:, None], listed, -1),
                                         self.mask_of(listed))
             self.count("cold_fetched_blocks", fetched & self.cold[:, None])
             self.count("miss_fetched_blocks", fetched & ~self.cold[:, None])
-        return self.rank_the_list(layer, q, listed, self.ws.table(layer, self.rows, width), width)
+        return self.rank_the_list(layer, q, listed, self.ws.table(layer, self.rows, width), width), before
+
+    def count_list_fetches_as_misses(self, selection, before, resident) -> None:
+        """The list's fetch ran before the residency check, which counted the selected blocks it brought as hits:
+        they were misses, as they are without a list (and in retrieval, which counts before fetching)."""
+        was_miss = (selection >= 0) & (before.gather(1, selection.long().clamp(min=0)) < 0) & (resident >= 0)
+        brought = was_miss.sum(1)
+        self.count("hits", -brought)
+        self.count("misses", brought)
 
     def score_now_and_draft(self, layer, q) -> tuple[torch.Tensor, torch.Tensor]:
         """x_t's block scores fp32 [B, W] (W: the decode block tables' width) and the draft's [B, W + 1]
