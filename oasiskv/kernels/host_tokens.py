@@ -18,13 +18,12 @@ TRITON_INTERPRET=1 the kernel runs on CPU tensors (tests); otherwise the torch r
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from oasiskv.kernels.host_gather import WORD_DTYPES, host_device_view
+from oasiskv.kernels.value_checks import interpreted
 
 __all__ = ["store_tokens_to_host", "store_tokens_to_host_reference"]
 
@@ -77,7 +76,7 @@ def store_tokens_to_host_reference(k, v, host_kv, layer, blocks, offsets) -> Non
 def store_tokens_to_host(k, v, host_kv, layer, blocks, offsets) -> None:
     """Writes token i's K/V to (blocks[i], offsets[i]) of `layer` in the host store (module docstring)."""
     _check(k, v, host_kv, layer, blocks, offsets)
-    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1" and not k.is_cuda
+    interpret = interpreted() and not k.is_cuda
     if not (k.is_cuda and host_kv.is_pinned() or interpret):
         store_tokens_to_host_reference(k, v, host_kv, layer, blocks, offsets)
         return

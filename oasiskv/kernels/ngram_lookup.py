@@ -18,11 +18,11 @@ tensors (tests); otherwise the torch reference runs.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from oasiskv.kernels.value_checks import interpreted
 
 __all__ = ["ngram_lookup", "ngram_lookup_reference", "write_step_tokens"]
 
@@ -100,7 +100,7 @@ def ngram_lookup(pool, tables, lengths, out, max_n: int = 3, min_n: int = 1) -> 
     """Writes row b's draft token into out[b] (int64 [B], e.g. the draft rows of a step's input ids). Every
     length must be at least 1 (not checked: it would cost a sync)."""
     _check(pool, tables, lengths, out, max_n, min_n)
-    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1" and not pool.is_cuda
+    interpret = interpreted() and not pool.is_cuda
     if not (pool.is_cuda or interpret):
         return ngram_lookup_reference(pool, tables, lengths, out, max_n, min_n)
     if tables.shape[0] == 0:
