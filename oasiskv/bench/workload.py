@@ -20,7 +20,7 @@ from oasiskv.bench.report import sig
 from oasiskv.config import SamplingParams
 
 KV_COUNTERS = ("kv_bytes_gathered", "kv_prefetch_bytes", "kv_agree_hits", "kv_agree_total", "kv_hits",
-               "kv_selected_blocks", "kv_misses", "kv_left_out_blocks", "kv_filled_blocks", "kv_time_prefetch_s",
+               "kv_selected_blocks", "kv_misses", "kv_misses_to_fill", "kv_filled_blocks", "kv_time_prefetch_s",
                "kv_time_prefetch_exposed_s")
 
 
@@ -197,7 +197,7 @@ def summarize(engine, done, log: StepLog, elapsed: float, stats0: dict, kv: dict
         "prefetch_gb_per_step": sig(kv["kv_prefetch_bytes"] / steps / 1e9) if "kv_prefetch_bytes" in kv else None,
         "hit_rate": ratio(kv.get("kv_hits"), kv.get("kv_selected_blocks")),
         "agreement": ratio(kv.get("kv_agree_hits"), kv.get("kv_agree_total")),
-        "fill_rate": ratio(kv.get("kv_filled_blocks"), kv.get("kv_left_out_blocks")),
+        "fill_rate": ratio(kv.get("kv_filled_blocks"), kv.get("kv_misses_to_fill")),
         "draft_accuracy": ratio(engine.stats.draft_tokens_right - stats0["draft_tokens_right"],
                                 engine.stats.draft_tokens - stats0["draft_tokens"]),
         **exposed_wait(kv, log.steps_with_decodes - log.replay_steps),

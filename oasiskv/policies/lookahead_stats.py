@@ -14,7 +14,7 @@ def lookahead_stats(policy, out: dict) -> dict:
     out["kv_agreement_per_layer"] = [ratio(h, t) for h, t in agreement]
     out["kv_hit_rate"] = ratio(out["kv_hits"], out["kv_selected_blocks"])
     # --miss-policy fill: the misses left out (not the cold-start or fetched ones) that it replaced
-    out["kv_fill_rate"] = ratio(out["kv_filled_blocks"], out["kv_left_out_blocks"])
+    out["kv_fill_rate"] = ratio(out["kv_filled_blocks"], out["kv_misses_to_fill"])
     out["kv_prefetch_bytes"] = out["kv_prefetched_blocks"] * chunk
     out["kv_prefetch_bytes_per_step"] = out["kv_prefetch_bytes"] / max(policy.decode_steps, 1)
     out["kv_fetch_cap_blocks"] = policy.fetch_cap_blocks

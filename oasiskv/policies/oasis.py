@@ -54,9 +54,9 @@ class DraftRows(TieredRows):
 class OasisPolicy(TieredPolicy):
     name = "oasis"
     wants_drafts = True
-    # left_out_blocks: misses that no fetch served, which "fill" gives resident blocks' places (counted under fill)
+    # misses_to_fill: under "fill", the misses no fetch served, whose places it gives resident blocks
     COUNTERS = TieredPolicy.COUNTERS + ("prefetched_blocks", "cold_fetched_blocks", "miss_fetched_blocks",
-                                        "left_out_blocks", "filled_blocks", "agree_hits", "agree_total")
+                                        "misses_to_fill", "filled_blocks", "agree_hits", "agree_total")
     STEP_TENSORS = TieredPolicy.STEP_TENSORS + ("cold", "fresh")
     LANES = 3  # compute, copy stream, tail stream
     TAIL_LANE = 2
@@ -325,7 +325,7 @@ class OasisPolicy(TieredPolicy):
         filled) the drafts' K/V are written too, in the same launch on the GPU."""
         attended, selection, scores, draft_scores = self.check_residency(layer, q, dense, draft)
         if self.fills(dense):
-            self.count("left_out_blocks", (selection >= 0) & (attended[:, :-1] < 0))
+            self.count("misses_to_fill", (selection >= 0) & (attended[:, :-1] < 0))
             fill = fill_misses if self.cuda else fill_misses_reference
             counters = FillCounters(self.row_counts[0], self.layer_counts[0], self.counter_index["filled_blocks"],
                                     layer)
