@@ -9,6 +9,10 @@ from typing import Any
 from oasiskv.sampling_params import MAX_LOGPROBS, SamplingParams, is_integer  # noqa: F401 (their old home)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# a config without head_dim: transformers' default for the type (Qwen3Config's is 128, not hidden / heads; transformers'
+# GGUF reader drops qwen3.attention.key_length, so a Qwen3 GGUF's config has none)
+DEFAULT_HEAD_DIM = {"qwen3": 128}
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,7 @@ class ModelConfig:
     qk_norm: bool  # per-head RMSNorm on q and k (Qwen3)
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    sliding_window: int | None = None  # attention to the last N tokens only (Mistral 7B v0.1), which we do not run
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
@@ -40,6 +45,11 @@ class ModelConfig:
             raise ValueError(
                 f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        missing = [k for k in REQUIRED_HF_KEYS if k not in hf]
+        if missing:
+            raise ValueError(f"the model's config has no {', '.join(missing)}")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
         heads = int(hf["num_attention_heads"])
         kv_heads = int(hf.get("num_key_value_heads") or heads)
         if heads % kv_heads:
@@ -58,7 +68,7 @@ class ModelConfig:
             num_layers=int(hf["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=kv_heads,
-            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+            head_dim=int(hf.get("head_dim") or DEFAULT_HEAD_DIM.get(model_type, hf["hidden_size"] // heads)),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             rope_scaling=rope_scaling or None,
@@ -68,6 +78,8 @@ class ModelConfig:
             qk_norm=model_type == "qwen3",
             eos_token_ids=tuple(int(e) for e in eos_ids),
             bos_token_id=hf.get("bos_token_id"),
+            sliding_window=int(hf["sliding_window"]) if hf.get("sliding_window") and hf.get("use_sliding_window", True)
+            else None,
         )
 
     @property

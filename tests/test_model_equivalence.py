@@ -99,3 +99,71 @@ def test_captured_hidden_states_match_transformers(tiny_pair):
     assert len(captured) == 2
     torch.testing.assert_close(captured[0], ref[1][0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(captured[1], ref[2][0], atol=1e-4, rtol=1e-4)
+
+
+def test_a_sharded_checkpoint_loads_the_files_its_index_names(tmp_path):
+    """A Mistral directory holds consolidated.safetensors beside the index's shards: the same weights under other
+    names, which failed the load ("has no place in the model")."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(CONFIGS["qwen2-bias"](), dtype=torch.float32).eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    save_file({"layers.0.attention.wk.weight": torch.zeros(4, 4)}, str(tmp_path / "consolidated.safetensors"))
+    ours = load_model(str(tmp_path), "auto", torch.device("cpu"), torch.float32, show_progress=False)
+    ids = [5, 17, 42, 99, 3]
+    torch.testing.assert_close(engine_logits(ours.model, ids, [5]), hf_logits(hf, ids), atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"num_hidden_layers": None}, "the model's config has no num_hidden_layers"),  # a bare KeyError before
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),  # SiLU was used silently
+])
+def test_configs_we_cannot_run_are_clear_errors(changes, message):
+    from oasiskv.config import ModelConfig
+
+    hf = {**Qwen2Config(**TINY).to_dict(), **changes}
+    hf = {k: v for k, v in hf.items() if v is not None}
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf(hf)
+
+
+def test_a_sliding_window_shorter_than_the_context_is_refused(tmp_path):
+    """Mistral 7B v0.1 attends to its last 4096 tokens; full attention past them gives other tokens (a helper saw
+    logits 0.36 apart at a window of 16). Qwen2's configs name a window they do not use."""
+    import json
+
+    from oasiskv.config import EngineConfig, SchedulerConfig
+    from oasiskv.engine.engine import LLMEngine
+
+    config = {**Qwen2Config(**TINY).to_dict(), "model_type": "mistral", "sliding_window": 64}
+    del config["use_sliding_window"]  # Mistral's configs have none: a window named is a window used
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    build = lambda n: LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy", show_progress=False,  # noqa
+                                             scheduler=SchedulerConfig(max_model_len=n)))
+    with pytest.raises(ValueError, match="sliding window of 64 tokens.*set --max-model-len 64 or less"):
+        build(512)
+    assert build(64).max_model_len == 64
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "qwen2", "use_sliding_window": False}))
+    assert build(512).max_model_len == 512
+
+
+def test_a_qwen3_config_without_head_dim_takes_transformers_default():
+    """transformers' Qwen3 head_dim defaults to 128, not hidden / heads (Qwen3-0.6B: 1024 / 16 = 64), and its GGUF
+    reader drops qwen3.attention.key_length, so a Qwen3 GGUF's config has none: the load failed on q_proj's shape."""
+    from oasiskv.config import ModelConfig
+
+    sizes = {k: v for k, v in TINY.items() if k != "head_dim"}
+    hf = {**sizes, "model_type": "qwen3"}
+    assert ModelConfig.from_hf(hf).head_dim == Qwen3Config(**sizes).head_dim == 128
+
+
+def test_a_gguf_with_rope_frequency_factors_is_a_clear_error():
+    """llama.cpp writes Llama 3.1 / 3.2's RoPE scaling as a rope_freqs tensor: a bare KeyError before; loading it
+    without the factors would give wrong positions."""
+    from oasiskv.models.loader import gguf_name
+
+    assert gguf_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight"
+    with pytest.raises(ValueError, match="rope_freqs tensor .* load the model from its Hugging Face directory"):
+        gguf_name("rope_freqs.weight")

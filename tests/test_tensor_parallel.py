@@ -260,3 +260,27 @@ def test_release_hooks_run_before_leaving_and_never_keep_the_engine_alive(tmp_pa
     del dropped
     gc.collect()
     assert workers_exit(procs)
+
+
+def test_a_second_engine_while_one_runs_is_refused_and_a_failed_one_leaves_no_group(tmp_path):
+    """Rank 0 took the running engine's group for its own (meant for spawned ranks): a second engine joined the first's
+    group and hung on its worker. An engine that failed after spawning kept its group as long as its traceback lived
+    (a notebook keeps it), and the corrected retry joined that dead group."""
+    first = engine(tmp_path, "dense", 2)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="a tensor-parallel engine is already running in this process"):
+        engine(tmp_path, "quest", 2)
+    assert time.monotonic() - t0 < 10
+    first.close()
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3))
+    bad = EngineConfig(model=str(tmp_path), load_format="dummy", dtype="float64", show_progress=False,
+                       tensor_parallel_size=2, cache=CacheConfig(kv_cache_gb=0.05))
+    try:
+        LLMEngine(bad)
+    except ValueError as e:
+        kept = e  # its traceback holds the failed engine's frames, as a notebook's last error does
+    assert "--dtype must be one of" in str(kept)
+    retry = engine(tmp_path, "dense", 2)
+    assert drive(retry)[0]
+    retry.close()

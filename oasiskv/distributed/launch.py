@@ -40,10 +40,13 @@ def start_tensor_parallel(config: EngineConfig, device_type: str) -> TensorParal
     if world < 1:
         raise ValueError(f"--tensor-parallel-size must be >= 1, got {world}")
     tp = current()
-    if tp is not None:
+    if tp is not None and tp.rank != 0:  # a spawned rank, which joined its group before building its engine
         return tp
     if world == 1:
         return None
+    if tp is not None:  # the caller's group belongs to an engine still alive: joining it would hang both
+        raise RuntimeError("a tensor-parallel engine is already running in this process: close it (LLM.close(), "
+                           "or drop every reference to it) before starting another")
     if config.kv.draft in HEAD_DRAFTS and config.kv.mode == "oasis":
         raise ValueError(f"--draft {config.kv.draft} is not supported with --tensor-parallel-size > 1 (its EAGLE-3 "
                          "head reads the full embedding); use --draft ngram or repeat")

@@ -81,6 +81,16 @@ class LLMEngine:
         self.config = config
         # --tensor-parallel-size N: this process is rank 0 and spawns the others (distributed/launch.py)
         self.tp = start_tensor_parallel(config, pick_device(config.device).type)
+        try:
+            self._build(config)
+        except BaseException:
+            # a failed engine's group would stay this process's while its traceback lives (a notebook keeps it),
+            # and the next engine would join it: the spawned ranks go now
+            if self.tp is not None and self.tp.shutdown is not None:
+                self.tp.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
         self.device = self.tp.device if self.tp else pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
         loaded = load_model(config.model, config.load_format, self.device, self.dtype, config.seed,
@@ -91,6 +101,10 @@ class LLMEngine:
         if self.max_model_len > self.model_config.max_position_embeddings:  # vLLM refuses it too
             raise ValueError(f"--max-model-len {self.max_model_len} is longer than the model's context of "
                              f"{self.model_config.max_position_embeddings} tokens (its max_position_embeddings)")
+        window = self.model_config.sliding_window
+        if window is not None and self.max_model_len > window:  # past it, full attention would give other tokens
+            raise ValueError(f"the model attends to a sliding window of {window} tokens, which OasisKV does not "
+                             f"implement: set --max-model-len {window} or less (got {self.max_model_len})")
         self.block_size = config.cache.block_size
         kv_model_config, cache_cfg, kv_cfg = self.model_config, config.cache, config.kv
         if self.tp:

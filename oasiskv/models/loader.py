@@ -167,13 +167,25 @@ def load_weights(net: CausalLM, tensors: Iterator[tuple[str, torch.Tensor]], sho
 def safetensors_tensors(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
-    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors files in {directory}")
+    files = checkpoint_files(directory)
     for path in files:
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def checkpoint_files(directory: str) -> list[str]:
+    """The checkpoint's .safetensors files: those its index names where it has one (a Mistral directory also holds
+    consolidated.safetensors, the same weights under other names), else every one in the directory."""
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(directory, name) for name in names]
+    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {directory}")
+    return files
 
 
 GGUF_NAMES = {
@@ -187,6 +199,9 @@ GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "ou
 
 def gguf_name(name: str) -> str:
     base, _, kind = name.rpartition(".")
+    if base == "rope_freqs":  # llama.cpp's converter writes Llama 3.1 and 3.2's RoPE scaling as this tensor
+        raise ValueError("this GGUF scales RoPE by a rope_freqs tensor (Llama 3.1 / 3.2), which OasisKV does not "
+                         "apply yet: load the model from its Hugging Face directory (config.json + safetensors)")
     if base.startswith("blk."):
         _, layer, part = base.split(".", 2)
         return f"model.layers.{layer}.{GGUF_NAMES[part]}.{kind}"
