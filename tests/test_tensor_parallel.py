@@ -28,7 +28,9 @@ QWEN3 = {"model_type": "qwen3", "vocab_size": VOCAB, "hidden_size": 64, "interme
          "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000, "tie_word_embeddings": False}
 KV = {"dense": {}, "quest": {}, "oasis": {"fetch_cap": 0.34, "host_kv_gb": 0.01}}
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-COUNTERS = ("preemptions", "kv_selected_blocks", "kv_hits", "kv_misses", "kv_prefetched_blocks", "kv_agree_hits")
+# bytes over PCIe: the whole model's (each rank moves its heads' share; rank 0 reported its share alone)
+COUNTERS = ("preemptions", "kv_selected_blocks", "kv_hits", "kv_misses", "kv_prefetched_blocks", "kv_agree_hits",
+            "kv_bytes_gathered", "kv_prefetch_bytes")
 
 
 @pytest.fixture(autouse=True)

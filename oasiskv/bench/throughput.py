@@ -175,7 +175,7 @@ def bench_one(engine, batch: int, input_len: int, output_len: int, hbm_gbps: flo
     # steps replayed from a CUDA graph, apart: a graph key first seen inside the timed window (oasis: a
     # draft opening a block) adds an eager step and a capture, which cost far more than a replay
     replays, replay_s = 0, 0.0
-    before = engine.policy.stats()
+    before = engine.kv_stats()
     for _ in range(output_len):
         kv_bytes = sum(kv_bytes_read(engine, r.num_tokens) for r in reqs)
         replays0 = graph_replays(engine)
@@ -189,8 +189,7 @@ def bench_one(engine, batch: int, input_len: int, output_len: int, hbm_gbps: flo
     steps = output_len
     if any(r.finished for r in reqs):
         raise RuntimeError("a request finished inside the timed window")
-    kv = kv_deltas(before, engine.policy.stats())
-    kv = {k: v * ranks if "bytes" in k else v for k, v in kv.items()}  # all ranks move the same blocks
+    kv = kv_deltas(before, engine.kv_stats())
     pcie = kv.get("kv_bytes_gathered", 0)
     for i in ids:
         engine.abort(i)

@@ -126,7 +126,7 @@ def run_workload(engine, prompts: list[list[int]], output_len: int, concurrency:
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     queue, live, done = list(prompts), [], []
     log, weights = StepLog(), engine.weights_bytes()
-    stats0, before = dict(engine.stats.as_dict()), engine.policy.stats()
+    stats0, before = dict(engine.stats.as_dict()), engine.kv_stats()
     bar = tqdm(total=len(prompts) * output_len, desc=desc or engine.policy.name, unit="tok", leave=False)
     t_start = time.perf_counter()
     while queue or live:
@@ -149,7 +149,7 @@ def run_workload(engine, prompts: list[list[int]], output_len: int, concurrency:
             done.append(engine.pop_finished(req.request_id))
     elapsed = time.perf_counter() - t_start
     bar.close()
-    return summarize(engine, done, log, elapsed, stats0, kv_deltas(before, engine.policy.stats()), concurrency)
+    return summarize(engine, done, log, elapsed, stats0, kv_deltas(before, engine.kv_stats()), concurrency)
 
 
 def graph_replays(engine) -> int:

@@ -191,7 +191,15 @@ class LLMEngine:
         graphs = self.runner.graphs.counts if self.runner.graphs else {}
         tp = self.tp.stats() if self.tp else {}
         return {"kv_mode": self.policy.name, "async_scheduling": self.async_scheduling, **self.stats.as_dict(),
-                **graphs, **self.policy.stats(), **tp}
+                **graphs, **self.kv_stats(), **tp}
+
+    def kv_stats(self, request_id: str | None = None) -> dict:
+        """The KV policy's statistics (one request's, with `request_id`, which they then forget) for the whole
+        model: under tensor parallelism each rank moves its own heads' K/V over its own link, and rank 0's policy
+        counts its share of the bytes only."""
+        stats = self.policy.stats() if request_id is None else self.policy.request_stats(request_id)
+        ranks = self.tp.world if self.tp else 1
+        return {k: v * ranks if "bytes" in k and v is not None else v for k, v in stats.items()}
 
     def close(self) -> None:
         """Stops the other tensor-parallel ranks (also done when the engine is garbage-collected)."""
@@ -249,7 +257,7 @@ class LLMEngine:
             self.release_kv(request_id)
             self.release_draft(request_id)
             self.sampler.forget(request_id)
-            req.kv_stats = self.policy.request_stats(request_id)
+            req.kv_stats = self.kv_stats(request_id)
             req.finish_time = time.perf_counter()
             req.output_text = self.tokenizer.decode(req.output_token_ids)  # as vLLM: the text so far
 
@@ -415,7 +423,7 @@ class LLMEngine:
         self.scheduler.finish(req, reason)
         self.release_kv(req.request_id)
         self.release_draft(req.request_id)
-        req.kv_stats = self.policy.request_stats(req.request_id)
+        req.kv_stats = self.kv_stats(req.request_id)
         self.sampler.forget(req.request_id)
         req.finish_time = now
         if reason == "stop_string":
