@@ -134,13 +134,14 @@ def test_a_sliding_window_shorter_than_the_context_is_refused(tmp_path):
     logits 0.36 apart at a window of 16). Qwen2's configs name a window they do not use."""
     import json
 
-    from oasiskv.config import EngineConfig, SchedulerConfig
+    from oasiskv.config import CacheConfig, EngineConfig, SchedulerConfig
     from oasiskv.engine.engine import LLMEngine
 
     config = {**Qwen2Config(**TINY).to_dict(), "model_type": "mistral", "sliding_window": 64}
     del config["use_sliding_window"]  # Mistral's configs have none: a window named is a window used
     (tmp_path / "config.json").write_text(json.dumps(config))
     build = lambda n: LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy", show_progress=False,  # noqa
+                                             cache=CacheConfig(kv_cache_gb=0.01),
                                              scheduler=SchedulerConfig(max_model_len=n)))
     with pytest.raises(ValueError, match="sliding window of 64 tokens.*set --max-model-len 64 or less"):
         build(512)
