@@ -483,22 +483,3 @@ def test_many_long_decodes_preempt_and_all_finish():
     for r in h.reqs.values():
         assert r.output_token_ids == [900_000 + 1000 * (_h(r.request_id) % 100) + i for i in range(40)]
     assert s.allocator.num_free == 6
-
-
-
-@pytest.mark.parametrize("mode, memory", [("dense", r"GPU KV pool \(--kv-cache-gb or --num-kv-blocks\) has 39"),
-                                          ("oasis", r"host KV store \(--host-kv-gb or --num-kv-blocks\) has 39")])
-def test_a_request_too_big_names_the_memory_that_holds_the_mode_s_kv(tmp_path, mode, memory):
-    """Retrieval and oasis keep every request's KV in the host store: the error said "the pool" and "enlarge the KV
-    cache", which in those modes is the GPU's working memory and would not have let the request in."""
-    from oasiskv.config import CacheConfig, EngineConfig, KVConfig
-    from oasiskv.engine.engine import LLMEngine
-    from tests.helpers import write_tiny_config
-
-    cfg = EngineConfig(model=write_tiny_config(tmp_path), load_format="dummy", show_progress=False,
-                       kv=KVConfig(mode=mode, budget=64, sink_blocks=1, local_blocks=1, host_kv_gb=0.0003, fetch_cap=0.5),
-                       cache=CacheConfig(kv_cache_gb=0.0003), scheduler=SchedulerConfig(max_model_len=1024))
-    engine = LLMEngine(cfg)
-    with pytest.raises(ValueError, match=memory + "; lower max_tokens or enlarge it"):
-        engine.add_request([i % 500 for i in range(1000)], SamplingParams(max_tokens=1))
-    assert not engine.has_unfinished()

@@ -128,3 +128,17 @@ def test_impossible_kv_configuration_is_a_clear_error():
     proc = subprocess.run([sys.executable, "-m", "oasiskv.cli", "generate", "--prompt", "x", "--kv-mode", "quest",
                            "--kv-budget", "40"], capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0 and "multiple of the block size" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("mode, memory", [("dense", r"GPU KV pool \(--kv-cache-gb or --num-kv-blocks\) has 39"),
+                                          ("oasis", r"host KV store \(--host-kv-gb or --num-kv-blocks\) has 39")])
+def test_a_request_too_big_names_the_memory_that_holds_the_mode_s_kv(tmp_path, mode, memory):
+    """Retrieval and oasis keep every request's KV in the host store: the error said "the pool" and "enlarge the KV
+    cache", which in those modes is the GPU's working memory and would not have let the request in."""
+    cfg = EngineConfig(model=write_tiny_config(tmp_path), load_format="dummy", show_progress=False,
+                       kv=KVConfig(mode=mode, budget=64, sink_blocks=1, local_blocks=1, host_kv_gb=0.0003, fetch_cap=0.5),
+                       cache=CacheConfig(kv_cache_gb=0.0003), scheduler=SchedulerConfig(max_model_len=1024))
+    engine = LLMEngine(cfg)
+    with pytest.raises(ValueError, match=memory + "; lower max_tokens or enlarge it"):
+        engine.add_request([i % 500 for i in range(1000)], SP(max_tokens=1))
+    assert not engine.has_unfinished()
