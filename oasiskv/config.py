@@ -10,8 +10,8 @@ from oasiskv.sampling_params import MAX_LOGPROBS, SamplingParams, is_integer  # 
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-# a config without head_dim: transformers' default for the type (Qwen3Config's is 128, not hidden / heads; transformers'
-# GGUF reader drops qwen3.attention.key_length, so a Qwen3 GGUF's config has none)
+# a config without head_dim: transformers' default for the type (Qwen3Config's is 128, not hidden / heads; a Qwen3
+# GGUF's config has its head_dim from qwen3.attention.key_length, read by gguf_meta: transformers' reader drops it)
 DEFAULT_HEAD_DIM = {"qwen3": 128}
 
 

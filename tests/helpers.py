@@ -58,3 +58,53 @@ def write_tiny_config(directory, model_type: str = "llama", num_layers: int = 2)
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(cfg, f)
     return str(directory)
+
+
+def write_gguf(path, hf_model, arch: str, rope_factors: list[float] | None = None) -> str:
+    """A transformers model's fp32 weights as a GGUF the way llama.cpp's converter writes one: its metadata keys
+    (key_length / value_length as it writes them for a config with head_dim), llama.cpp's tensor names, the q / k
+    rows permuted for the llama architecture, and `rope_factors` (if any) as the rope_freqs tensor. Returns the path."""
+    import gguf
+
+    from oasiskv.models.loader import GGUF_NAMES
+
+    cfg, names = hf_model.config, {hf: ours for ours, hf in GGUF_NAMES.items()}
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name("tiny")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    if rope_factors is not None:
+        writer.add_tensor("rope_freqs.weight", torch.tensor(rope_factors, dtype=torch.float32).numpy())
+    for name, w in hf_model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            w = llama_cpp_permute(w, cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads)
+        if name.startswith("model.layers."):
+            layer, part = name.removeprefix("model.layers.").split(".", 1)
+            part, kind = part.rsplit(".", 1)
+            gguf_name = f"blk.{layer}.{names[part]}.{kind}"
+        else:
+            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                         "lm_head.weight": "output.weight"}[name]
+        writer.add_tensor(gguf_name, w.detach().float().contiguous().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def llama_cpp_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """convert_hf_to_gguf.py's LlamaModel.permute: each head's rotary halves interleaved (GGML's RoPE is pairwise)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

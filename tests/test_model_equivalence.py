@@ -1,12 +1,14 @@
 """Our model code and engine path compute what transformers computes for the same weights."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from oasiskv.models.loader import load_model
-from tests.helpers import engine_logits
+from tests.helpers import engine_logits, write_gguf
 
 TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=112, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6)
@@ -23,15 +25,21 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def tiny_pair(request, tmp_path_factory):
-    """A random transformers model saved as safetensors, and ours loaded from that directory."""
+def random_hf(config):
+    """A transformers model of the config, random weights (seed 0), norms included."""
     torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(CONFIGS[request.param](), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # make the norm weights non-trivial so a missed norm shows
         for name, p in hf.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
+    return hf
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def tiny_pair(request, tmp_path_factory):
+    """A random transformers model saved as safetensors, and ours loaded from that directory."""
+    hf = random_hf(CONFIGS[request.param]())
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path, safe_serialization=True)
     ours = load_model(str(path), "auto", torch.device("cpu"), torch.float32, show_progress=False)
@@ -151,8 +159,8 @@ def test_a_sliding_window_shorter_than_the_context_is_refused(tmp_path):
 
 
 def test_a_qwen3_config_without_head_dim_takes_transformers_default():
-    """transformers' Qwen3 head_dim defaults to 128, not hidden / heads (Qwen3-0.6B: 1024 / 16 = 64), and its GGUF
-    reader drops qwen3.attention.key_length, so a Qwen3 GGUF's config has none: the load failed on q_proj's shape."""
+    """transformers' Qwen3 head_dim defaults to 128, not hidden / heads (Qwen3-0.6B: 1024 / 16 = 64). (A Qwen3 GGUF's
+    config has its head_dim from key_length: test_a_qwen3_gguf_takes_head_dim_from_key_length.)"""
     from oasiskv.config import ModelConfig
 
     sizes = {k: v for k, v in TINY.items() if k != "head_dim"}
@@ -160,11 +168,48 @@ def test_a_qwen3_config_without_head_dim_takes_transformers_default():
     assert ModelConfig.from_hf(hf).head_dim == Qwen3Config(**sizes).head_dim == 128
 
 
-def test_a_gguf_with_rope_frequency_factors_is_a_clear_error():
-    """llama.cpp writes Llama 3.1 / 3.2's RoPE scaling as a rope_freqs tensor: a bare KeyError before; loading it
-    without the factors would give wrong positions."""
-    from oasiskv.models.loader import gguf_name
+def llama3_rope_factors(cfg) -> list[float]:
+    """What llama.cpp's converter (convert_hf_to_gguf.py, LlamaModel) writes as the rope_freqs tensor for a llama3
+    rope scaling: one divisor per rotary frequency."""
+    s, dim = cfg.rope_parameters, cfg.head_dim
+    freqs = 1.0 / (s["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    old_len, low, high, factor = (s["original_max_position_embeddings"], s["low_freq_factor"], s["high_freq_factor"],
+                                  s["factor"])
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_len / high:
+            factors.append(1.0)
+        elif wavelen > old_len / low:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return factors
 
-    assert gguf_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight"
-    with pytest.raises(ValueError, match="rope_freqs tensor .* load the model from its Hugging Face directory"):
-        gguf_name("rope_freqs.weight")
+
+def assert_gguf_matches_transformers(hf, path: str) -> None:
+    """Ours loaded from the GGUF at `path` gives transformers' logits (prefill, then decode steps)."""
+    ours = load_model(path, "auto", torch.device("cpu"), torch.float32, show_progress=False, with_tokenizer=False)
+    ids = torch.randint(0, 300, (101,), generator=torch.Generator().manual_seed(1)).tolist()
+    torch.testing.assert_close(engine_logits(ours.model, ids, [70]), hf_logits(hf, ids), atol=2e-4, rtol=1e-4)
+
+
+def test_a_llama3_gguf_applies_its_rope_freqs_factors(tmp_path, monkeypatch):
+    """llama.cpp writes Llama 3.1 / 3.2's llama3 RoPE scaling as a rope_freqs tensor of per-frequency divisors (and no
+    rope scaling key): refused before; now each inverse frequency is divided by its factor, as transformers' llama3
+    scaling of the original model computes it."""
+    monkeypatch.setenv("OASISKV_GGUF_CACHE", str(tmp_path / "cache"))
+    hf = random_hf(CONFIGS["llama3-rope-scaling"]())
+    factors = llama3_rope_factors(hf.config)
+    assert factors[0] == 1.0 and factors[-1] == 8.0 and 1.0 < factors[1] < 8.0  # each of the three kinds of band
+    assert_gguf_matches_transformers(hf, write_gguf(tmp_path / "llama3.gguf", hf, "llama", factors))
+
+
+def test_a_qwen3_gguf_takes_head_dim_from_key_length(tmp_path, monkeypatch):
+    """transformers' GGUF reader drops qwen3.attention.key_length, and Qwen3's head_dim is neither hidden / heads nor
+    always the default 128: a head_dim of 32 loaded as 128 before (q_proj's shape did not fit)."""
+    monkeypatch.setenv("OASISKV_GGUF_CACHE", str(tmp_path / "cache"))
+    hf = random_hf(Qwen3Config(**{**TINY, "head_dim": 32}, rope_theta=1e6, tie_word_embeddings=False))
+    assert hf.config.head_dim not in (TINY["hidden_size"] // TINY["num_attention_heads"], 128)
+    assert_gguf_matches_transformers(hf, write_gguf(tmp_path / "qwen3.gguf", hf, "qwen3"))

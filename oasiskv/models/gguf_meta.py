@@ -8,6 +8,10 @@ tensor-parallel rank, a test's subprocess). Now it is parsed once per file and t
 and mtime with transformers' and gguf's versions, so a changed file or another reader never reads a stale entry. Writes
 land in a temporary name that is renamed into place, so a concurrent process sees a whole entry or none; a cache
 that cannot be written is skipped.
+
+transformers' config misses what some GGUFs need: ``<arch>.attention.key_length`` (its Qwen3 reader drops it, and
+Qwen3's head_dim is not hidden / heads) and llama.cpp's ``rope_freqs`` tensor (Llama 3.1 / 3.2's RoPE scaling).
+``own_reading`` reads them in the parse that indexes the tensors; the stored config holds them.
 """
 from __future__ import annotations
 
@@ -19,18 +23,21 @@ import shutil
 import tempfile
 
 DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "oasiskv", "gguf")
+# what an entry holds: 2 adds own_reading to the config (entries stored before it lack head_dim and rope_freqs)
+ENTRY_FORMAT = 2
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's RoPE frequency factors: read into the config, not loaded as a weight
 
 
 def entry_dir(path: str, mtime_ns: int, size: int) -> str:
     import transformers
 
-    readers = f"{transformers.__version__}|{importlib.metadata.version('gguf')}"  # what parsed the entry
+    readers = f"{transformers.__version__}|{importlib.metadata.version('gguf')}|{ENTRY_FORMAT}"  # what made the entry
     key = hashlib.sha256(f"{path}|{size}|{mtime_ns}|{readers}".encode()).hexdigest()[:24]
     return os.path.join(os.environ.get("OASISKV_GGUF_CACHE", DEFAULT_DIR), key)
 
 
 def config(path: str, mtime_ns: int, size: int) -> dict:
-    """The HF config dict in the GGUF's metadata (transformers' reading of it)."""
+    """The HF config dict in the GGUF's metadata: transformers' reading of it, with own_reading's keys."""
     entry = entry_dir(path, mtime_ns, size)
     cfg = read_json(entry, "config.json")
     if isinstance(cfg, dict):
@@ -41,8 +48,43 @@ def config(path: str, mtime_ns: int, size: int) -> dict:
         cfg = load_gguf_checkpoint(path, return_tensors=False)["config"]
     except (ValueError, KeyError, IndexError, TypeError) as e:
         raise unreadable(path, size, e) from e
+    cfg.update(tensor_index(path, mtime_ns, size)["config"])  # what transformers' reader misses
     write_json(entry, "config.json", cfg)
     return cfg
+
+
+def own_reading(reader) -> dict:
+    """The config keys transformers' reader leaves out (those of the GGUF that has them)."""
+    out = {"head_dim": head_dim_of(reader), "rope_scaling": rope_freqs_scaling(reader)}
+    return {key: value for key, value in out.items() if value is not None}
+
+
+def head_dim_of(reader) -> int | None:
+    """llama.cpp's head size, <arch>.attention.key_length (value_length is the same in the models we run)."""
+    arch = str(reader.fields["general.architecture"].contents())
+    key_length = field_value(reader, f"{arch}.attention.key_length")
+    value_length = field_value(reader, f"{arch}.attention.value_length")
+    if value_length not in (None, key_length):
+        raise ValueError(f"{arch}.attention.key_length {key_length} != value_length {value_length}: OasisKV's "
+                         "attention needs one head size for keys and values")
+    return None if key_length is None else int(key_length)
+
+
+def rope_freqs_scaling(reader) -> dict | None:
+    """llama.cpp's converter writes Llama 3.1 / 3.2's llama3 RoPE scaling as a rope_freqs tensor, one factor per
+    rotary frequency, and divides each inverse frequency by its factor: a rope scaling of that kind here."""
+    import gguf
+
+    for t in reader.tensors:
+        if t.name == ROPE_FREQS:
+            factors = gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1)
+            return {"rope_type": "freq_factors", "freq_factors": [float(f) for f in factors]}
+    return None
+
+
+def field_value(reader, key: str):
+    field = reader.get_field(key)
+    return None if field is None else field.contents()
 
 
 def unreadable(path: str, size: int, error: Exception) -> ValueError:
@@ -52,13 +94,14 @@ def unreadable(path: str, size: int, error: Exception) -> ValueError:
 
 
 def tensor_index(path: str, mtime_ns: int, size: int) -> dict:
-    """{"arch": the model architecture, "tensors": [[name, GGML type, file offset, bytes, numpy dtype, shape], ...]}:
-    enough to slice each tensor's data out of the file (gguf's reader gives the same slices)."""
+    """{"arch": the model architecture, "tensors": [[name, GGML type, file offset, bytes, numpy dtype, shape], ...],
+    "config": own_reading's keys}: enough to slice each tensor's data out of the file (gguf's reader gives the same
+    slices); the config keys come from the same parse."""
     entry = entry_dir(path, mtime_ns, size)
     index = read_json(entry, "tensors.json")
     try:
-        if isinstance(index["arch"], str) and all(offset + n_bytes <= size
-                                                  for _, _, offset, n_bytes, _, _ in index["tensors"]):
+        if isinstance(index["arch"], str) and isinstance(index["config"], dict) and \
+                all(offset + n_bytes <= size for _, _, offset, n_bytes, _, _ in index["tensors"]):
             return index
     except (KeyError, TypeError, ValueError):
         pass  # not an index of this file: parse it again
@@ -70,7 +113,8 @@ def tensor_index(path: str, mtime_ns: int, size: int) -> dict:
         raise unreadable(path, size, e) from e
     index = {"arch": str(reader.fields["general.architecture"].contents()),
              "tensors": [[t.name, int(t.tensor_type), int(t.data_offset), int(t.n_bytes), t.data.dtype.str,
-                          list(t.data.shape)] for t in reader.tensors]}
+                          list(t.data.shape)] for t in reader.tensors],
+             "config": own_reading(reader)}
     write_json(entry, "tensors.json", index)
     return index
 

@@ -61,7 +61,17 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         return _llama3_scaled(inv_freq, scaling)
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
-    raise ValueError(f"rope scaling {kind!r} is not supported (supported: llama3, linear)")
+    if kind == "freq_factors":
+        return _divided_by_factors(inv_freq, scaling["freq_factors"])
+    raise ValueError(f"rope scaling {kind!r} is not supported (supported: llama3, linear, freq_factors)")
+
+
+def _divided_by_factors(inv_freq: torch.Tensor, factors: list[float]) -> torch.Tensor:
+    """A GGUF's rope_freqs tensor (oasiskv/models/gguf_meta.py): llama.cpp divides each frequency by its factor."""
+    if len(factors) != len(inv_freq):
+        raise ValueError(f"{len(factors)} RoPE frequency factors for {len(inv_freq)} rotary frequencies "
+                         "(head_dim / 2)")
+    return inv_freq / torch.tensor(factors, dtype=inv_freq.dtype)
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:

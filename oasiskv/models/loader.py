@@ -199,9 +199,6 @@ GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "ou
 
 def gguf_name(name: str) -> str:
     base, _, kind = name.rpartition(".")
-    if base == "rope_freqs":  # llama.cpp's converter writes Llama 3.1 and 3.2's RoPE scaling as this tensor
-        raise ValueError("this GGUF scales RoPE by a rope_freqs tensor (Llama 3.1 / 3.2), which OasisKV does not "
-                         "apply yet: load the model from its Hugging Face directory (config.json + safetensors)")
     if base.startswith("blk."):
         _, layer, part = base.split(".", 2)
         return f"model.layers.{layer}.{GGUF_NAMES[part]}.{kind}"
@@ -223,6 +220,8 @@ def gguf_tensors(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tenso
     index = gguf_meta.tensor_index(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
     arch, data = index["arch"], np.memmap(path, mode="r", dtype=np.uint8)
     for raw_name, qtype, offset, n_bytes, dtype, shape in index["tensors"]:
+        if raw_name == gguf_meta.ROPE_FREQS:  # in the config's rope scaling already
+            continue
         name = gguf_name(raw_name)
         raw = data[offset: offset + n_bytes].view(np.dtype(dtype)).reshape(shape)
         w = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype)).copy())

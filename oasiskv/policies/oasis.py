@@ -35,6 +35,7 @@ from oasiskv.kernels.residency import resident_selection, resident_selection_ref
 from oasiskv.kernels.paged_decode import paged_decode_attention, paged_decode_reference
 from oasiskv.kernels.sparse_decode import sparse_decode_attention_padded, sparse_decode_padded_reference
 from oasiskv.policies.lookahead_stats import lookahead_stats
+from oasiskv.policies.oasis_shortlist import OasisShortlist
 from oasiskv.policies.tail_graph import PredictInputs, Tail, TailBuffers
 from oasiskv.policies.timers import EventClock
 from oasiskv.policies.tiered import TieredPolicy, TieredRows
@@ -51,7 +52,7 @@ class DraftRows(TieredRows):
     draft_offset: torch.Tensor   # long [B]: the draft's offset in its block
 
 
-class OasisPolicy(TieredPolicy):
+class OasisPolicy(OasisShortlist, TieredPolicy):
     name = "oasis"
     wants_drafts = True
     # misses_to_fill: under "fill", the misses no fetch served, whose places it gives resident blocks
@@ -364,34 +365,6 @@ class OasisPolicy(TieredPolicy):
         self.count("miss_fetched_blocks", fetched & ~self.cold[:, None])
         attended = torch.cat([torch.where((resident >= 0) | fetched, selection, -1), opened[:, None]], 1)
         return attended, selection, scores, draft_scores
-
-    def rank_resident_list(self, layer, q, scores, budget: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """--shortlist: x_t's list (its scores' best shortlist x budget blocks; the prediction was the draft's list),
-        its blocks not on the GPU fetched first where this step fetches misses (cold rows; every row under "fetch"),
-        then ranked by the exact mass of its resident blocks: listed blocks still not resident rank after those
-        (as misses), blocks off the list never. With the whole list resident this is quest's second pass.
-        Returns (the ranking, the residency table before the list's fetch, or None where nothing was fetched)."""
-        width = scores.shape[1]
-        _, listed = self.select_by(scores, self.cfg.shortlist_blocks(budget), count=False)
-        before = None
-        if self.fetches(dense=False):
-            rows = torch.ones_like(self.cold) if self.fetch_every_miss else self.cold
-            before = self.ws.table(layer, self.rows, width)
-            resident = before.gather(1, listed.long().clamp(min=0)) >= 0
-            with self.timer("gather"):
-                fetched, _ = self.fetch(layer, torch.where((listed >= 0) & ~resident & rows[:, None], listed, -1),
-                                        self.mask_of(listed))
-            self.count("cold_fetched_blocks", fetched & self.cold[:, None])
-            self.count("miss_fetched_blocks", fetched & ~self.cold[:, None])
-        return self.rank_the_list(layer, q, listed, self.ws.table(layer, self.rows, width), width), before
-
-    def count_list_fetches_as_misses(self, selection, before, resident) -> None:
-        """The list's fetch ran before the residency check, which counted the selected blocks it brought as hits:
-        they were misses, as they are without a list (and in retrieval, which counts before fetching)."""
-        was_miss = (selection >= 0) & (before.gather(1, selection.long().clamp(min=0)) < 0) & (resident >= 0)
-        brought = was_miss.sum(1)
-        self.count("hits", -brought)
-        self.count("misses", brought)
 
     def score_now_and_draft(self, layer, q) -> tuple[torch.Tensor, torch.Tensor]:
         """x_t's block scores fp32 [B, W] (W: the decode block tables' width) and the draft's [B, W + 1]
