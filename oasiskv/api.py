@@ -164,6 +164,10 @@ class LLM:
     def llm_engine(self) -> LLMEngine:  # vLLM's name
         return self.engine
 
+    def close(self) -> None:
+        """Stops the engine's tensor-parallel ranks now, not at garbage collection (a new one can then start)."""
+        self.engine.close()
+
     def get_tokenizer(self):
         """vLLM's: the transformers tokenizer (apply_chat_template(..., tokenize=False), __call__, decode(...));
         a random-weight model's byte tokenizer where it has none."""

@@ -9,12 +9,14 @@ import gc
 import json
 import os
 import signal
+import threading
 import time
 import weakref
 
 import pytest
 import torch
 
+from oasiskv.api import LLM
 from oasiskv.config import CacheConfig, EngineConfig, KVConfig, ModelConfig, SamplingParams, SchedulerConfig
 from oasiskv.distributed.scores import combine_gathered
 from oasiskv.distributed.shard import check_shardable, plan_shard
@@ -42,14 +44,17 @@ def one_thread():
 
 
 def engine(tmp_path, mode: str, tp: int, async_scheduling: bool = False, **model) -> LLMEngine:
+    return LLMEngine(engine_config(tmp_path, mode, tp, async_scheduling, **model))
+
+
+def engine_config(tmp_path, mode: str, tp: int, async_scheduling: bool = False, **model) -> EngineConfig:
     """dense: a pool of 12 blocks, too few for the three first requests at once (preemption)."""
     (tmp_path / "config.json").write_text(json.dumps({**QWEN3, **model}))
     kv = KVConfig(mode=mode, budget=48, sink_blocks=1, local_blocks=1, **KV[mode])
-    return LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy", dtype="float32", seed=1,
-                                  show_progress=False, tensor_parallel_size=tp, kv=kv,
-                                  cache=CacheConfig(kv_cache_gb=0.05, num_kv_blocks=12 if mode == "dense" else None),
-                                  scheduler=SchedulerConfig(max_num_batched_tokens=96,
-                                                            async_scheduling=async_scheduling)))
+    return EngineConfig(model=str(tmp_path), load_format="dummy", dtype="float32", seed=1, show_progress=False,
+                        tensor_parallel_size=tp, kv=kv,
+                        cache=CacheConfig(kv_cache_gb=0.05, num_kv_blocks=12 if mode == "dense" else None),
+                        scheduler=SchedulerConfig(max_num_batched_tokens=96, async_scheduling=async_scheduling))
 
 
 def prompts() -> list[list[int]]:
@@ -237,6 +242,60 @@ def test_a_dead_rank_fails_the_next_step_at_once_and_close_returns(tmp_path):
     assert time.monotonic() - t0 < 10
 
 
+def outcome_within(seconds: float, call):
+    """What `call` returns or raises, which it must within `seconds` (it runs in a daemon thread: a hang fails the
+    test instead of holding it for the 5-minute collective timeout)."""
+    outcome = []
+
+    def run():
+        try:
+            outcome.append(call())
+        except BaseException as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, f"{call.__name__} still runs after {seconds} s"
+    return outcome[0]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_step_interrupted_on_rank_0_stops_the_ranks_and_a_new_engine_runs(tmp_path, async_scheduling):
+    """Ctrl-C on rank 0 between two collectives of a step left rank 1 waiting in the next one, which no later
+    message reaches: the next step and close() waited out the collective timeout. Now the ranks are stopped at
+    once, the engine says it must be recreated, and a new one can start (while a second is still refused)."""
+    e = engine(tmp_path, "dense", 2, async_scheduling=async_scheduling)
+    procs = e.tp.procs
+    try:
+        e.add_request(prompts()[0], GREEDY, request_id="0")
+        e.step()
+
+        def interrupt(*args):
+            raise KeyboardInterrupt
+
+        if async_scheduling:  # rank 1 waits for the step's sampled tokens
+            e.sampler.sample_on_device = interrupt
+        else:  # rank 1 goes on into the LM head's all-gather
+            e.model.logits = interrupt
+        with pytest.raises(KeyboardInterrupt):
+            e.step()
+        e.discard(["0"])
+        e.add_request(prompts()[1], GREEDY, request_id="1")
+        error = outcome_within(10, e.step)
+        assert isinstance(error, RuntimeError) and "create a new one" in str(error)
+        assert outcome_within(10, e.close) is None and not any(p.is_alive() for p in procs)
+    finally:
+        for p in procs:  # where it failed, rank 0's calls still wait on rank 1: its end ends them
+            p.kill()
+
+    retry = engine(tmp_path, "dense", 2)
+    with pytest.raises(RuntimeError, match="a tensor-parallel engine is already running in this process"):
+        engine(tmp_path, "dense", 2)
+    assert drive(retry)[0]
+    retry.close()
+
+
 class ReleaseProbe:
     def __init__(self, owner=None):
         self.calls, self.owner = 0, owner  # the engine's graphs hold its model and policy, and through them the group
@@ -267,8 +326,8 @@ def test_release_hooks_run_before_leaving_and_never_keep_the_engine_alive(tmp_pa
 def test_a_second_engine_while_one_runs_is_refused_and_a_failed_one_leaves_no_group(tmp_path):
     """Rank 0 took the running engine's group for its own (meant for spawned ranks): a second engine joined the first's
     group and hung on its worker. An engine that failed after spawning kept its group as long as its traceback lived
-    (a notebook keeps it), and the corrected retry joined that dead group."""
-    first = engine(tmp_path, "dense", 2)
+    (a notebook keeps it), and the corrected retry joined that dead group. The refusal's advice, LLM.close(), works."""
+    first = LLM.from_config(engine_config(tmp_path, "dense", 2))
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="a tensor-parallel engine is already running in this process"):
         engine(tmp_path, "quest", 2)

@@ -5,6 +5,7 @@ the CPU. Plain data (the step plan, sizes the ranks agree on) goes through a sec
 it never waits on a GPU stream."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 import weakref
@@ -36,6 +37,7 @@ class TensorParallel:
     plans_sent: int = 0
     plan_seconds: float = 0.0  # rank 0: pickling and broadcasting step plans
     tables: BlockTables = field(default_factory=BlockTables)  # block tables the other ranks hold
+    failed: str | None = None  # rank 0: the error that broke off a step, after which the ranks were stopped
 
     @property
     def is_leader(self) -> bool:
@@ -54,6 +56,9 @@ class TensorParallel:
     def send_step(self, plan, tokens_follow: bool = False) -> None:
         """Rank 0: the step plan and the requests released before it, to every other rank; `tokens_follow`: the
         step's sampled tokens follow by send_tokens (async scheduling)."""
+        if self.failed is not None:
+            raise RuntimeError(f"a step of this tensor-parallel engine failed midway ({self.failed}), so its ranks "
+                               "were stopped: this engine cannot run again; create a new one")
         dead = [p for p in self.procs if not p.is_alive()]
         if dead:
             raise RuntimeError(f"tensor-parallel rank process {dead[0].name} exited (code {dead[0].exitcode}): "
@@ -64,6 +69,26 @@ class TensorParallel:
         self.released = []
         self.plans_sent += 1
         self.plan_seconds += time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def lockstep(self):
+        """Rank 0: the part of a step in which the other ranks follow its collectives. An error or Ctrl-C inside it
+        leaves them waiting in a collective that no later message can reach (a stop message included), so they
+        are stopped at once and the group is left: the engine fails fast instead of waiting out the timeout."""
+        try:
+            yield
+        except BaseException as e:
+            self.abort(repr(e))
+            raise
+
+    def abort(self, reason: str) -> None:
+        """Rank 0: kills the other ranks (wherever they wait) and leaves the group; idempotent."""
+        self.failed = self.failed or reason
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.join()
+        self.shutdown()  # with the ranks gone it sends no stop message and aborts the group
 
     def receive_step(self):
         """Other ranks: (plan, released request ids, whether its tokens follow), or None when the engine closes."""

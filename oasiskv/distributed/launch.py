@@ -8,7 +8,9 @@ reach the other ranks as the next plan's decode tokens.
 
 Shutdown: closing (or garbage-collecting) rank 0's engine broadcasts a stop; ranks leave the group
 and exit; any that do not within a few seconds are terminated. A rank whose parent died exits on its
-own (a watchdog thread), so no process outlives the engine."""
+own (a watchdog thread), so no process outlives the engine. A step that fails midway on rank 0 (an
+error, Ctrl-C) leaves the others inside one of its collectives, where no stop message reaches them: rank 0
+kills them at once and the engine refuses to run again (TensorParallel.lockstep)."""
 from __future__ import annotations
 
 import os

@@ -1,6 +1,7 @@
 """The engine loop: requests in, one scheduler plan and one model step at a time, outputs out."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import reprlib
@@ -19,7 +20,7 @@ from oasiskv.engine.request import Request
 from oasiskv.engine.cuda_graph import DecodeGraphs
 from oasiskv.engine.overlap import InFlight, resolve_async_scheduling
 from oasiskv.engine.upload import HostCopies
-from oasiskv.engine.runner import ModelRunner
+from oasiskv.engine.runner import ModelRunner, StepResult
 from oasiskv.engine.sampler import Sampler
 from oasiskv.engine.scheduler import GPU_POOL, HOST_STORE, Scheduler
 from oasiskv.kv.gpu_pool import bytes_per_block, plan_num_blocks
@@ -289,14 +290,9 @@ class LLMEngine:
         if not plan.chunks:
             return landed + (self.land() if self.in_flight is not None else [])
         t0 = time.perf_counter()
-        if self.tp:
-            self.tp.send_step(plan, tokens_follow=overlap)
-        result = self.runner.execute(plan, self.in_flight.pending if self.in_flight is not None else None)
-        self.count_step(plan)
+        with self.tp.lockstep() if self.tp else contextlib.nullcontext():
+            result, flight = self.run_plan(plan, overlap)
         if overlap:
-            flight = InFlight.launch(result, self.requests, self.max_model_len, self.sampler, self.token_copies)
-            if self.tp and flight.request_ids:  # the other ranks' next step reads them too
-                self.tp.send_tokens(flight.pending.tokens)
             landed = self.land() if self.in_flight is not None else []
             self.in_flight = flight
             self.stats.step_time_s += time.perf_counter() - t0
@@ -311,6 +307,20 @@ class LLMEngine:
         if self.drafter is not None and not self.drafter.on_device:
             self.propose_drafts(result)
         return finished
+
+    def run_plan(self, plan, overlap: bool) -> tuple[StepResult, InFlight | None]:
+        """The plan's forward pass (on every rank) and, with `overlap`, the launch of its sampling, whose tokens the
+        other ranks read too."""
+        if self.tp:
+            self.tp.send_step(plan, tokens_follow=overlap)
+        result = self.runner.execute(plan, self.in_flight.pending if self.in_flight is not None else None)
+        self.count_step(plan)
+        if not overlap:
+            return result, None
+        flight = InFlight.launch(result, self.requests, self.max_model_len, self.sampler, self.token_copies)
+        if self.tp and flight.request_ids:
+            self.tp.send_tokens(flight.pending.tokens)
+        return result, flight
 
     def count_step(self, plan) -> None:
         self.stats.steps += 1
