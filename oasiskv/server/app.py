@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
-from oasiskv.server.chat import create_chat_completion
+from oasiskv.server.chat import chat_prompt, create_chat_completion
 from oasiskv.server.completions import create_completion
 from oasiskv.server.engine_loop import EngineDeadError, EngineLoop
 from oasiskv.server.job import check_token_ids, encode_text
@@ -130,7 +130,11 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/metrics")
     async def metrics():
-        body = state.metrics.render(await state.loop.snapshot())
+        try:
+            snapshot = await state.loop.snapshot()
+        except EngineDeadError:  # the request series still tell what happened; no engine gauges from a dead engine
+            snapshot = {}
+        body = state.metrics.render(snapshot)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/tokenize")
@@ -179,10 +183,7 @@ def tokenize_request(body: TokenizeRequest, tokenizer) -> list[int]:
     if (body.prompt is None) == (body.messages is None):
         raise APIError("give exactly one of `prompt` and `messages`", param="prompt")
     if body.messages is not None:
-        try:
-            return tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in body.messages])
-        except ValueError as e:
-            raise APIError(str(e), param="messages") from e
+        return chat_prompt(body, tokenizer)  # the prompt /v1/chat/completions would run
     hf = getattr(tokenizer, "hf", None)
     if hf is not None:
         return encode_text(hf, body.prompt, "prompt", add_special_tokens=body.add_special_tokens)

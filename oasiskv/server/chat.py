@@ -11,10 +11,16 @@ from oasiskv.server.protocol import APIError, ChatCompletionRequest
 
 def chat_prompt(body: ChatCompletionRequest, tokenizer) -> list[int]:
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    kwargs = dict(body.chat_template_kwargs or {})
+    for name in ("chat_template", "tokenize", "messages"):  # (the first would replace the model's template)
+        if name in kwargs:
+            raise APIError(f"chat_template_kwargs cannot set `{name}`: this server renders the model's own chat "
+                           f"template", param="chat_template_kwargs")
+    # vLLM's merge: the template's options in chat_template_kwargs win over the top-level fields
+    options = {"add_generation_prompt": body.add_generation_prompt,
+               "continue_final_message": body.continue_final_message, **kwargs}
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                            continue_final_message=body.continue_final_message,
-                                            **(body.chat_template_kwargs or {}))
+        ids = tokenizer.apply_chat_template(messages, **options)
     except ValueError as e:
         raise APIError(str(e), param="messages") from e
     except Exception as e:  # a template that rejects the conversation (e.g. roles out of order)

@@ -38,6 +38,11 @@ class CompletionJob(GenerationJob):
         super().__init__(body, state)
         if body.max_tokens == 0 and not body.echo:
             raise APIError("max_tokens must be at least 1 (0 is allowed only with echo)", param="max_tokens")
+        if body.echo and self.wants_logprobs and getattr(state.engine, "tp", None):
+            # (the prompt's logprobs are a forward of rank 0's shard alone: its collectives would wait on the
+            # other ranks, which wait for the next plan, and every request would hang until the timeout)
+            raise APIError("echo with logprobs (the prompt's logprobs) is not served with tensor parallelism "
+                           "(--tensor-parallel-size > 1); ask without logprobs or without echo", param="echo")
         self.n = body.n
         self.prompts = prompt_inputs(body.prompt, state.tokenizer, state.engine.model_config.vocab_size)
         if state.disagg is not None and len(self.prompts) > 1:

@@ -32,6 +32,7 @@ class Output:
     finish_reason: str | None = None
     text: str | None = None  # when finished: the engine's final text (a matched stop string cut off)
     error: str | None = None
+    stop_reason: str | int | None = None  # when finished: the stop string or stop token id it stopped at
 
 
 @dataclass
@@ -185,7 +186,8 @@ class EngineLoop:
                 continue
             t.sent += len(new)
             out = Output(list(new), self.sampler.take(rid), req.finished, req.finish_reason,
-                         req.output_text if req.finished else None, error=req.error)
+                         req.output_text if req.finished else None, error=req.error,
+                         stop_reason=req.stop_reason if req.finished else None)
             if self.metrics and new:
                 self.metrics.on_tokens(t, len(new), now)
             t.first_token = t.first_token or now
@@ -200,7 +202,10 @@ class EngineLoop:
 
     def fail(self, message: str) -> None:
         self.error = message
+        now = time.perf_counter()
         for t in self.tracked.values():
+            if self.metrics:  # (counted as vLLM counts a failed request: finished_reason="abort")
+                self.metrics.on_finish(t, "abort", now)
             t.loop.call_soon_threadsafe(t.queue.put_nowait, (t.index, Output([], [], True, "abort", error=message)))
         self.tracked.clear()
 

@@ -82,16 +82,8 @@ class TextStream:
         full = self.tokenizer.decode(self.ids)
         final = full if out.text is None or out.finish_reason == "abort" else out.text
         delta, self.sent = final[self.sent:], len(final)
-        return delta, self.stop_reason(full, final, out.finish_reason)
-
-    def stop_reason(self, full: str, final: str, finish_reason: str | None) -> str | int | None:
-        if finish_reason != "stop":
-            return None
-        if self.ids and self.params.stop_token_ids and self.ids[-1] in self.params.stop_token_ids:
-            return self.ids[-1]
-        kept = self.params.include_stop_str_in_output  # the final text ends with the stop string, else stops before it
-        return next((s for s in self.params.stop or () if full[len(final) - (len(s) if kept else 0):].startswith(s)),
-                    None)
+        # the engine's own: the stop string it cut the text at (the earliest), the stop token; None for EOS
+        return delta, out.stop_reason if out.finish_reason == "stop" else None
 
 
 @dataclass

@@ -103,8 +103,8 @@ class GenerationJob:
             raise APIError("a prefill for remote decode cannot stream: its kv_transfer_params come in the JSON "
                            "response", param="stream")
         if body.logit_bias:
-            check_token_ids([int(t) for t in body.logit_bias if t.isdigit()], state.engine.model_config.vocab_size,
-                            "logit_bias")
+            check_token_ids([int(t) for t in body.logit_bias if t.isascii() and t.isdigit()],  # ('²'.isdigit())
+                            state.engine.model_config.vocab_size, "logit_bias")
         self.body, self.state = body, state
         if state.disagg is not None and state.disagg.name == "decode" and self.wants_logprobs:
             raise APIError("a decode instance gives no logprobs: the prefill instance sampled the first token, and "

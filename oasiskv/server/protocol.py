@@ -7,7 +7,7 @@ import uuid
 from typing import Literal, Union
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from oasiskv.sampling_params import MAX_LOGPROBS, VLLM_ONLY_FIELDS
 
@@ -64,10 +64,22 @@ UNSUPPORTED_FIELDS = {
 }
 
 
+# Fields vLLM declares Optional with a default (OpenAI's schema: "or null"): a JSON null is the default, as there
+NULL_IS_DEFAULT = ("n", "stream", "echo", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                   "min_p")
+
+
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat; vLLM extras (top_k, ignore_eos, ...) at the top level."""
 
     model_config = ConfigDict(extra="allow")  # read by job.refuse_unsupported, then unused
+
+    @model_validator(mode="before")
+    @classmethod
+    def nulls_are_defaults(cls, data):
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in NULL_IS_DEFAULT)}
+        return data
 
     model: str | None = None
     temperature: float | None = Field(None, ge=0)
@@ -140,6 +152,10 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    # vLLM's TokenizeChatRequest: the template's options, as /v1/chat/completions takes them
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
