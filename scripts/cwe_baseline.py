@@ -1,18 +1,22 @@
-"""What the common-words task (cwe) gives an answer that aggregates nothing: the first or the last word of its list,
-scored as the eval scores a model's output. The samples are the eval's own (same seed derivation, 40 a context).
+"""What the common-words task (cwe) gives an answer that aggregates nothing: the first or the last special word of its
+prompt, scored as the eval scores a model's output (the first word, whole). The samples are the eval's own (same seed
+derivation, 40 a context). A special word drawn at random scores the answer's share of the sentences, a third.
 
     PYTHONPATH=. python scripts/cwe_baseline.py [--cache-dir DIR] [--samples 40] [--context 4096,8192]
 """
 from __future__ import annotations
 
 import argparse
+import re
 
 from oasiskv.evals.haystack import Haystack
-from oasiskv.evals.synthetic import string_match_all
+from oasiskv.evals.synthetic import score_output
 from oasiskv.evals.tasks import Settings, Synthetic
 from oasiskv.evals.texts import load_corpus
 from oasiskv.models.loader import embedded_default_path
 from oasiskv.models.tokenizer import HFTokenizer
+
+SPECIAL = re.compile(r"One of the special words is: ([a-z]+-[a-z]+)\.")
 
 
 def main() -> None:
@@ -27,11 +31,11 @@ def main() -> None:
         samples = Synthetic("cwe").prepare(haystack, context, Settings(samples=args.samples))
         first = last = 0.0
         for sample in samples:
-            words = tokenizer.decode(sample.prompt_ids).split("\n\n")[1].split(", ")
-            first += string_match_all(f'{words[0]}"', sample.answers)
-            last += string_match_all(f'{words[-1]}"', sample.answers)
+            words = SPECIAL.findall(tokenizer.decode(sample.prompt_ids))
+            first += score_output("cwe", f" {words[0]}.", sample.answers)
+            last += score_output("cwe", f" {words[-1]}.", sample.answers)
         n = len(samples)
-        print(f"context {context}: first listed word {100 * first / n:.1f}, last listed word {100 * last / n:.1f} "
+        print(f"context {context}: first special word {100 * first / n:.1f}, last special word {100 * last / n:.1f} "
               f"({n} samples)")
 
 

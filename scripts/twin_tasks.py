@@ -133,7 +133,7 @@ def main() -> None:
     if args.join:
         print_table(join_runs(args.join))
         return
-    from oasiskv.evals.synthetic import string_match_all
+    from oasiskv.evals.synthetic import score_output
     from oasiskv.models.loader import embedded_default_path
 
     path = args.model or embedded_default_path()
@@ -148,7 +148,7 @@ def main() -> None:
         per_task[task] = []
         for x in tqdm(items, desc=task):
             answers = greedy_answers(model, x.prompt_ids, x.max_tokens, [None, *rules], eos)
-            per_task[task].append([{"tokens": a, "score": string_match_all(hay.tokenizer.decode(a), x.answers)}
+            per_task[task].append([{"tokens": a, "score": score_output(task, hay.tokenizer.decode(a), x.answers)}
                                    for a in answers])
     rows = score_rules(["dense", *(r.label for r in rules)], per_task)
     print(f"\n{args.samples} samples a task, context {args.context}, budget {args.budget}, "

@@ -12,7 +12,7 @@ import pytest
 from oasiskv.evals.harness import DENSE, Variant, expand_variants, row, split_runnable, variant_config
 from oasiskv.evals.haystack import Haystack, insert_sentences
 from oasiskv.evals.report import drop, plot, table, write_json
-from oasiskv.evals.synthetic import make_samples, string_match_all
+from oasiskv.evals.synthetic import make_samples, score_output, string_match_all
 from oasiskv.evals.texts import join_lines, load_corpus
 from oasiskv.config import EngineConfig
 from oasiskv.models.tokenizer import ByteTokenizer
@@ -80,20 +80,25 @@ def test_variable_tracking_answers_match_a_brute_force_resolution(haystack):
         assert len(s.answers) == 2 and text.endswith("they are: VAR")
 
 
-def test_common_words_answers_are_the_most_frequent(haystack):
-    for s in make_samples("cwe", haystack, CONTEXT, 3, seed=3):
-        listed = prompt_text(s).split("\n\n")[1].split(", ")
-        counts = Counter(listed).most_common()
-        k = len(s.answers)
-        assert sorted(w for w, _ in counts[:k]) == sorted(s.answers)
-        assert counts[k - 1][1] > counts[k][1]  # a strict gap: the answer is unambiguous
-        assert all(w.isalpha() and len(w) <= 7 for w in listed)
+def test_common_words_answer_is_strictly_the_most_frequent_and_spread(haystack):
+    """The asked-for word is a third of the special words, every other is said once, and its sentences
+    reach from the first quarter of the prompt to the last (counting them needs the whole context)."""
+    for s in make_samples("cwe", haystack, 8192, 4, seed=3):
+        text = prompt_text(s)
+        found = [(m.start(), m.group(1)) for m in re.finditer(r"One of the special words is: ([a-z]+-[a-z]+)\.", text)]
+        counts = Counter(w for _, w in found).most_common()
+        assert [counts[0][0]] == s.answers and counts[0][1] == 12 and counts[1][1] == 1
+        assert len(found) == 3 * 12
+        assert len({w.split("-")[0] for w, _ in counts}) == len(counts)  # no two words start alike
+        where = [at / len(text) for at, w in found if w == s.answers[0]]
+        assert min(where) < 0.25 and max(where) > 0.75
+        assert text.endswith('appears most often in the provided text is "')
 
 
-def test_the_common_words_are_whole_lowercase_words():
-    """A capital's remainder ("Lucas" -> "ucas") or an elision's stem ("don't" -> "don") was a listed word."""
-    doc = "Lucas went to Monday's market; don't fret, white whales. Whales swim."
-    assert Haystack([doc], ByteTokenizer()).vocabulary() == ["fret", "market", "swim", "went", "whales", "white"]
+def test_common_words_repeat_more_in_a_longer_context(haystack):
+    short, long = (make_samples("cwe", haystack, c, 1, seed=4)[0] for c in (1024, 8192))
+    said = [prompt_text(x).count(f"special words is: {x.answers[0]}.") for x in (short, long)]
+    assert 2 <= said[0] < said[1] == 12
 
 
 def test_insert_sentences_keeps_order_and_depth():
@@ -109,6 +114,15 @@ def test_windows_are_deterministic_token_windows(haystack):
 
 def test_string_match_all():
     assert string_match_all("The numbers are 123 and 456.", ["123", "456", "789"]) == pytest.approx(2 / 3)
+
+
+def test_common_words_score_the_first_word_whole():
+    assert score_output("cwe", ' "amber-falcon".', ["amber-falcon"]) == 1.0
+    assert score_output("cwe", ": Amber-Falcon, then more", ["amber-falcon"]) == 1.0
+    assert score_output("cwe", " amber-falconry", ["amber-falcon"]) == 0.0  # a substring match took it
+    assert score_output("cwe", " calm-river, amber-falcon", ["amber-falcon"]) == 0.0  # listing every word
+    assert score_output("cwe", "", ["amber-falcon"]) == 0.0
+    assert score_output("niah_single", "It is 1234567.", ["1234567"]) == 1.0
 
 
 def test_variants_and_configs():

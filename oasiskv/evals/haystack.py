@@ -15,7 +15,6 @@ class Haystack:
         if not docs:
             raise ValueError("the corpus is empty")
         self.documents, self.tokenizer = docs, tokenizer
-        self._vocabulary: list[str] | None = None
 
     def window_ids(self, num_tokens: int, rng: random.Random) -> list[int]:
         """num_tokens consecutive tokens starting at a paragraph or sentence start of a random document
@@ -38,16 +37,6 @@ class Haystack:
         while len(text) < num_chars:
             text += "\n\n" + doc
         return text[:num_chars]
-
-    def vocabulary(self) -> list[str]:
-        """Distinct lowercase alphabetic words of 4+ letters in the corpus, sorted (for the common-words
-        task). Whole words only: "Lucas" gave "ucas" and "don't" gave "don"."""
-        if self._vocabulary is None:
-            words = set()
-            for doc in self.documents:
-                words.update(w for w in re.findall(r"(?<![A-Za-z'])[a-z]+(?![A-Za-z'])", doc) if len(w) >= 4)
-            self._vocabulary = sorted(words)
-        return self._vocabulary
 
 
 def sentence_start_after(text: str, position: int) -> int:

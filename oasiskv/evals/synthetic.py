@@ -1,16 +1,20 @@
 """RULER-style tasks generated with a seed over book haystacks: needles (single key, several keys,
 several values), variable tracking and common-word extraction. Every answer can be read back out of
 the prompt by brute force (tests do so); a sample's score is the share of its answers found in the
-model's greedy output (RULER's string-match-all).
+model's greedy output (RULER's string-match-all), for common words whether its first word is the answer.
 
 Difficulty is set so that the anchor itself succeeds (a task dense fails says nothing about a sparse
 mode): on SmolLM2-135M-Instruct at 4K, RULER's own variable tracking (one chain of 4 hops) and common
 words (3 of a numbered list) scored 0 for dense. Here variable tracking is one chain of one hop with
-the answer primed by "VAR", and common words asks for the one word that makes up a quarter of a
-comma-separated list of short words, the answer opened by a quote (docs/ACCURACY.md has the numbers)."""
+the answer primed by "VAR" (docs/ACCURACY.md has the numbers). Common words was a comma-separated list of
+short words, one of them a quarter of it: dense scored no better than copying the list's first or last
+word, and at 4K it named words not in the list. It now hides special words through the haystack, as the
+needles are hidden, one of them a third of those sentences and every other once, and is scored on the
+first word of the answer, whole."""
 from __future__ import annotations
 
 import random
+import re
 import string
 from dataclasses import dataclass
 
@@ -23,9 +27,13 @@ NOUNS = ("anchor", "badger", "candle", "dragon", "engine", "falcon", "garden", "
          "kettle", "lantern", "meadow", "needle", "orchard", "pepper", "quarry", "river", "saddle", "tunnel",
          "valley", "wagon", "willow", "yacht", "zephyr", "basket", "cellar", "forest", "glacier", "hammer")
 
-MAX_WORD_LETTERS = 7  # common-word lists use short words: SmolLM2-135M copies them back reliably
+CWE_MAX_REPEATS = 12  # cwe: the answer up to 12 times among twice as many words said once (a third of the sentences)
+CWE_TOKENS_PER_REPEAT = 256  # fewer repeats in a shorter haystack (at 4K and 8K: 12)
 
 NEEDLE = "One of the special magic numbers for {key} is: {value}."
+WORD_NEEDLE = "One of the special words is: {word}."
+CWE_INTRO = ("Some special words are hidden within the following text. Make sure to memorize them. "
+             "I will quiz you about which special word appears most often afterwards.\n\n")
 NIAH_INTRO = ("Some special magic numbers are hidden within the following text. Make sure to memorize them. "
               "I will quiz you about the numbers afterwards.\n\n")
 
@@ -94,28 +102,34 @@ def variable_tracking_task(rng: random.Random, filler: str, hops: int) -> Parts:
                  max_tokens=8 * len(names) + 4)
 
 
-def common_words_task(rng: random.Random, vocabulary: list[str], num_words: int, common: int,
-                      share: float) -> Parts:
-    """A comma-separated list of num_words short words in which `common` words make up `share` of
-    the list and every other word appears once (or a few times, always less often)."""
-    short = [w for w in vocabulary if len(w) <= MAX_WORD_LETTERS]
-    repeats = max(2, round(share * num_words / common))
-    num_rare = max(0, num_words - common * repeats)
-    chosen = rng.sample(short, min(len(short), common + num_rare))
-    frequent, others = chosen[:common], chosen[common:]
-    copies = -(-num_rare // len(others))  # a small vocabulary repeats its rare words, fewer times than `repeats`
-    if copies >= repeats:
-        raise ValueError(f"the corpus has too few distinct short words ({len(short)}) for a {num_words}-word list")
-    words = frequent * repeats + (others * copies)[:num_rare]
+def spread_depths(rng: random.Random, n: int) -> list[float]:
+    """One depth drawn in each of n equal slices of [0.05, 0.95]: the sentences cover the whole haystack."""
+    return [0.05 + 0.9 * (i + rng.random()) / n for i in range(n)]
+
+
+def distinct_pairs(rng: random.Random, n: int) -> list[str]:
+    """Keys that share no adjective and no noun: no two special words start or end alike."""
+    return [f"{a}-{b}" for a, b in zip(rng.sample(ADJECTIVES, n), rng.sample(NOUNS, n))]
+
+
+def cwe_repeats(size: int) -> int:
+    return min(CWE_MAX_REPEATS, max(2, size // CWE_TOKENS_PER_REPEAT))
+
+
+def common_words_task(rng: random.Random, filler: str, repeats: int) -> Parts:
+    """Special words hidden through the haystack in the needles' sentence form: the asked-for word
+    `repeats` times and twice as many other words once each, one sentence in each of equal slices of the
+    text, so the count spans the whole context. The answer is opened by a quote: without it SmolLM2-135M
+    often began with a preamble ("The special word is: ...") and the first word was not the answer."""
+    singles = 2 * repeats
+    keys = distinct_pairs(rng, 1 + singles)
+    words = [keys[0]] * repeats + keys[1:]
     rng.shuffle(words)
-    intro = "Below is a list of words. In these words, some appear more often than others.\n\n"
-    if common == 1:
-        question = "Question: What is the most common word in the above list?"
-        prefix = 'Answer: The most common word in the list is "'
-    else:
-        question = f"Question: What are the {common} most common words in the above list?"
-        prefix = f'Answer: The {common} most common words in the list are "'
-    return Parts(intro, ", ".join(words), question, prefix, frequent, max_tokens=6 * common + 4)
+    sentences = [WORD_NEEDLE.format(word=w) for w in words]
+    question = "Question: Which special word appears most often in the provided text?"
+    prefix = 'Answer: The special word that appears most often in the provided text is "'  # the quote: no preamble
+    return Parts(CWE_INTRO, insert_sentences(filler, sentences, spread_depths(rng, len(sentences))), question,
+                 prefix, [keys[0]], max_tokens=12)
 
 
 TASKS = {
@@ -123,7 +137,7 @@ TASKS = {
     "niah_multikey": lambda rng, hay, size: needles_task(rng, hay.text(size, rng), keys=4, values=1),
     "niah_multivalue": lambda rng, hay, size: needles_task(rng, hay.text(size, rng), keys=1, values=4),
     "vt": lambda rng, hay, size: variable_tracking_task(rng, hay.text(size, rng), hops=1),
-    "cwe": lambda rng, hay, size: common_words_task(rng, hay.vocabulary(), num_words=size // 3, common=1, share=0.25),
+    "cwe": lambda rng, hay, size: common_words_task(rng, hay.text(size, rng), repeats=cwe_repeats(size)),
 }
 
 
@@ -169,3 +183,17 @@ def string_match_all(output: str, answers: list[str]) -> float:
     """Share of the answers that occur in the output (case-insensitive)."""
     low = output.lower()
     return sum(a.lower() in low for a in answers) / len(answers)
+
+
+def first_word_match(output: str, answers: list[str]) -> float:
+    """1 when the output's first word (letters joined by hyphens) is an answer, whole and case-insensitive, else 0:
+    a substring match gave "history" for "story", and a model that lists every word it read scored."""
+    match = re.search(r"[A-Za-z]+(?:-[A-Za-z]+)*", output)
+    return float(match is not None and match.group(0).lower() in {a.lower() for a in answers})
+
+
+SCORERS = {"cwe": first_word_match}  # the other tasks: string_match_all
+
+
+def score_output(task: str, output: str, answers: list[str]) -> float:
+    return SCORERS.get(task, string_match_all)(output, answers)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from oasiskv.config import SamplingParams
 from oasiskv.evals.forced import teacher_forced
 from oasiskv.evals.haystack import Haystack
-from oasiskv.evals.synthetic import TASKS as SYNTHETIC_TASKS, make_samples, string_match_all
+from oasiskv.evals.synthetic import TASKS as SYNTHETIC_TASKS, make_samples, score_output
 
 HIGHER_IS_BETTER = {"ppl": False, "top1_agree": True, "kl": False, "copy_ppl": False, "copy_acc": True,
                     "score": True, "same_tokens": True, "first_divergence": True, "agreement": True}
@@ -82,7 +82,7 @@ class CopyProbe:
 
 
 class Synthetic:
-    """A RULER-style task: greedy answers, string-match-all score in points."""
+    """A RULER-style task: greedy answers scored in points (string-match-all; cwe: its first word)."""
 
     def __init__(self, name: str):
         self.name = name
@@ -95,7 +95,7 @@ class Synthetic:
         params = [SamplingParams(temperature=0, max_tokens=x.max_tokens) for x in samples]
         outs = llm.generate([x.prompt_ids for x in samples], params, use_tqdm=True)
         texts = [o.outputs[0].text for o in outs]
-        scores = [string_match_all(t, x.answers) for t, x in zip(texts, samples)]
+        scores = [score_output(self.name, t, x.answers) for t, x in zip(texts, samples)]
         return {"score": 100.0 * sum(scores) / len(scores)}, texts
 
 
