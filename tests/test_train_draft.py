@@ -217,3 +217,59 @@ def test_prompts_that_cannot_fit_fail_at_once():
     with pytest.raises(ValueError, match="the chat template alone takes 30 tokens, and prompts may have 16"):
         chat_prompts(TemplateOf30(), 5, 16, 0)
     assert all(len(ids) <= 200 for ids in chat_prompts(TemplateOf30(), 5, 200, 0))
+
+
+def tiny_target(path, seed: int, hidden: int = 64) -> str:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=hidden, intermediate_size=112, num_hidden_layers=8,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                      initializer_range=0.3, tie_word_embeddings=True)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("hidden", [64, 32])
+def test_resume_refuses_the_data_and_head_of_another_target(trained, tmp_path, hidden):
+    """--resume with another --model reused data.pt (the other target's replies) and checkpoint.pt silently when the
+    dimensions matched (and saved that head for this target), and failed with a torch traceback when they did not;
+    found by a helper's audit of the drafts."""
+    out, _ = trained
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("data.pt", "checkpoint.pt"):
+        shutil.copy(out / name, run / name)
+    other = tiny_target(tmp_path / "other", seed=1, hidden=hidden)
+    with pytest.raises(ValueError, match=r"data.pt was generated with other settings \(--model"):
+        train(train_args(other, run, "--resume"))
+
+
+def test_resume_refuses_data_made_with_other_generation_flags(trained, target_dir, tmp_path):
+    out, _ = trained
+    shutil.copy(out / "data.pt", tmp_path / "data.pt")
+    with pytest.raises(ValueError, match=r"--max-new-tokens 32 there, 64 now"):
+        train(train_args(target_dir, tmp_path, "--resume", "--max-new-tokens", "64"))
+
+
+def test_snippets_of_a_large_file_take_linear_time(tmp_path):
+    """file_snippets called ast.get_source_segment per function, which splits the whole file every call: quadratic,
+    9 s for one 170 KB stdlib file (asyncio's __init__ aside, _pydecimal 5.5 s) and 92 s per pass over the standard
+    library on a loaded 2-core host, up to 8 passes while too few prompts fit --max-len; found by a helper's audit.
+    The segments are the same as ast's, line ends (\\r\\n, \\r, form feed) and non-ASCII columns included."""
+    import ast
+    import time
+
+    from oasiskv.lookahead.draft_data import file_snippets
+
+    path = tmp_path / "big.py"
+    body = "".join(f"def f{i}(x):\n    \"\"\"Doc {i} é.\"\"\"\n    return x + {i}\n\n" for i in range(1500))
+    odd = "class K:\r\n    def g(self): return 'é'\r\n\x0c\n    def h(self):\r        return 1\r\n"
+    path.write_text(odd + body, encoding="utf-8", newline="")
+    start = time.perf_counter()
+    snippets = file_snippets(str(path))
+    assert time.perf_counter() - start < 3.0
+    text = path.read_bytes().decode("utf-8")
+    expected = {f"big.{n.name}": "\n".join(ast.get_source_segment(text, n).splitlines()[:40])[:1500]
+                for n in ast.walk(ast.parse(text)) if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and
+                n.name in ("K", "g", "h", "f0", "f1499")}
+    got = {s.name: s.source for s in snippets if s.name in expected}
+    assert got == expected

@@ -7,6 +7,7 @@ import ast
 import glob
 import os
 import random
+import re
 import sysconfig
 from dataclasses import dataclass
 from typing import Iterator
@@ -68,11 +69,26 @@ def file_snippets(path: str) -> list[Snippet]:
         return []
     module = os.path.splitext(os.path.basename(path))[0]
     out = [Snippet(module, ast.get_docstring(tree), None)] if ast.get_docstring(tree) else []
+    lines = LINE.findall(text)  # split once: ast.get_source_segment splits the whole file at every call
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            source = "\n".join((ast.get_source_segment(text, node) or "").splitlines()[:SOURCE_LINES])
+            source = "\n".join(source_segment(lines, node).splitlines()[:SOURCE_LINES])
             out.append(Snippet(f"{module}.{node.name}", ast.get_docstring(node), source[:SOURCE_CHARS] or None))
     return out
+
+
+LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")  # the lines as ast numbers them, ends kept
+
+
+def source_segment(lines: list[str], node: ast.AST) -> str:
+    """ast.get_source_segment(text, node) from the text's lines (LINE), or "" where the node has no end."""
+    if getattr(node, "end_lineno", None) is None or getattr(node, "end_col_offset", None) is None:
+        return ""
+    first, last = node.lineno - 1, node.end_lineno - 1
+    if first == last:
+        return lines[first].encode()[node.col_offset:node.end_col_offset].decode()
+    return "".join([lines[first].encode()[node.col_offset:].decode(), *lines[first + 1:last],
+                    lines[last].encode()[:node.end_col_offset].decode()])
 
 
 def snippet_prompt(s: Snippet, rng: random.Random) -> str | None:
@@ -130,21 +146,36 @@ def regenerate(llm, prompts: list[list[int]], max_len: int, max_new_tokens: int,
     return [Conversation(ids + out.outputs[0].token_ids, len(ids)) for ids, out in zip(prompts, outputs)]
 
 
-def save_conversations(path: str, conversations: list[Conversation]) -> None:
+def save_conversations(path: str, conversations: list[Conversation], settings: dict | None = None) -> None:
+    """settings: what made the data (the target, the generation flags), checked when --resume reuses it."""
     lengths = torch.tensor([len(c.token_ids) for c in conversations])
     tokens = torch.tensor([t for c in conversations for t in c.token_ids], dtype=torch.int32)
     prompt_lens = torch.tensor([c.prompt_len for c in conversations])
-    torch.save({"tokens": tokens, "lengths": lengths, "prompt_lens": prompt_lens}, path)
+    data = {"tokens": tokens, "lengths": lengths, "prompt_lens": prompt_lens}
+    if settings is not None:
+        data["settings"] = dict(settings)
+    torch.save(data, path + ".tmp")
+    os.replace(path + ".tmp", path)  # a kill mid-write leaves no truncated data.pt
 
 
-def load_conversations(path: str) -> list[Conversation]:
+def load_conversations(path: str, settings: dict | None = None) -> list[Conversation]:
+    """settings: this run's (save_conversations); data made with other settings is refused, not reused silently
+    (a file saved before settings were recorded is not checked)."""
     try:
         data = torch.load(path, weights_only=True)
         pieces = data["tokens"].split(data["lengths"].tolist())
-        return [Conversation(p.tolist(), int(n)) for p, n in zip(pieces, data["prompt_lens"])]
+        conversations = [Conversation(p.tolist(), int(n)) for p, n in zip(pieces, data["prompt_lens"])]
     except Exception as e:  # a truncated or foreign file: one line naming it
         raise ValueError(f"{path} cannot be read as train-draft data ({type(e).__name__}: {e}); move it away to "
                          "regenerate the data") from None
+    saved = data.get("settings")
+    if settings is not None and saved is not None:
+        differ = [f"--{k.replace('_', '-')} {saved.get(k)!r} there, {v!r} now" for k, v in settings.items()
+                  if saved.get(k) != v]
+        if differ:
+            raise ValueError(f"{path} was generated with other settings ({'; '.join(differ)}): --resume reuses it "
+                             "only with the flags that made it; give another --out to start again")
+    return conversations
 
 
 # -- vocabulary and batches -----------------------------------------------------------------------------
