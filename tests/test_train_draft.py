@@ -273,3 +273,15 @@ def test_snippets_of_a_large_file_take_linear_time(tmp_path):
                 n.name in ("K", "g", "h", "f0", "f1499")}
     got = {s.name: s.source for s in snippets if s.name in expected}
     assert got == expected
+
+
+def test_an_interrupt_says_whether_anything_is_left_to_resume(tmp_path):
+    """data.pt is written once every reply exists: an interrupt while generating kept nothing, yet the message said
+    --resume continues."""
+    from oasiskv.lookahead.train_draft import interrupted_message
+
+    assert "lost: run it again (without --resume)" in interrupted_message(str(tmp_path))
+    (tmp_path / "data.pt").write_bytes(b"")
+    assert interrupted_message(str(tmp_path)).endswith("keeps data.pt: --resume continues")
+    (tmp_path / "checkpoint.pt").write_bytes(b"")
+    assert interrupted_message(str(tmp_path)).endswith("keeps data.pt and checkpoint.pt: --resume continues")

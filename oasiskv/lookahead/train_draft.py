@@ -69,6 +69,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     h.add_argument("--save-dtype", default="float16", choices=sorted(SAVE_DTYPES))
 
 
+def interrupted_message(out: str) -> str:
+    """data.pt is written only once every reply exists: an interrupted generation keeps nothing to resume."""
+    if not os.path.isfile(os.path.join(out, "data.pt")):
+        return "train-draft interrupted while generating its data, which is lost: run it again (without --resume)"
+    kept = "data.pt and checkpoint.pt" if os.path.isfile(os.path.join(out, "checkpoint.pt")) else "data.pt"
+    return f"train-draft interrupted; {out} keeps {kept}: --resume continues"
+
+
 @dataclasses.dataclass
 class TrainResult:
     head: Eagle3Head
@@ -83,7 +91,7 @@ def main(args: argparse.Namespace) -> None:
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}")
     except KeyboardInterrupt:
-        raise SystemExit(f"train-draft interrupted; {args.out} keeps what was done: --resume continues") from None
+        raise SystemExit(interrupted_message(args.out)) from None
     t = result.times
     if not result.eval_accuracy:
         print("held-out top-1 accuracy: none held out (--eval-conversations 0, or fewer than 4 conversations)")
