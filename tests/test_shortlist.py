@@ -127,13 +127,13 @@ def test_per_kv_head_with_layer_weights_a_perfect_draft_gives_quests_tokens_with
     assert stats["kv_prefetched_blocks"] > 0
 
 
-def test_a_list_of_the_budget_counts_the_misses_of_no_list(miss_policy="fetch"):
+def test_a_list_of_the_budget_counts_the_misses_of_no_list():
     """A list of the budget itself selects what no list selects. The list's fetch (cold rows; every row under fetch)
     ran before the residency check, which then counted the blocks it brought as hits: 0 misses under fetch where no
     list had 18 (a helper's run). Same tokens, so the same hits and misses."""
     stats = {}
     for shortlist in (0.0, 1.0):
-        llm = LLM(show_progress=False, kv_mode="oasis", fetch_cap=0.25, miss_policy=miss_policy, draft="repeat",
+        llm = LLM(show_progress=False, kv_mode="oasis", fetch_cap=0.25, miss_policy="fetch", draft="repeat",
                   shortlist=shortlist, **SPARSE)
         tokens = run(llm)
         counts = llm.engine.stats_dict()

@@ -250,29 +250,29 @@ def test_resume_refuses_data_made_with_other_generation_flags(trained, target_di
         train(train_args(target_dir, tmp_path, "--resume", "--max-new-tokens", "64"))
 
 
-def test_snippets_of_a_large_file_take_linear_time(tmp_path):
-    """file_snippets called ast.get_source_segment per function, which splits the whole file every call: quadratic,
-    9 s for one 170 KB stdlib file (asyncio's __init__ aside, _pydecimal 5.5 s) and 92 s per pass over the standard
-    library on a loaded 2-core host, up to 8 passes while too few prompts fit --max-len; found by a helper's audit.
-    The segments are the same as ast's, line ends (\\r\\n, \\r, form feed) and non-ASCII columns included."""
+def test_snippets_are_ast_s_segments_cut_from_lines_split_once(tmp_path, monkeypatch):
+    """file_snippets called ast.get_source_segment per function, which splits the whole file at every call: quadratic
+    (a pass over the standard library: scripts/time_stdlib_snippets.py). The segments are still ast's, line ends
+    (\\r\\n, \\r, form feed) and non-ASCII columns included; ast's function is the reference, not called by the code."""
     import ast
-    import time
 
-    from oasiskv.lookahead.draft_data import file_snippets
+    from oasiskv.lookahead import draft_data
 
     path = tmp_path / "big.py"
-    body = "".join(f"def f{i}(x):\n    \"\"\"Doc {i} é.\"\"\"\n    return x + {i}\n\n" for i in range(1500))
+    body = "".join(f"def f{i}(x):\n    \"\"\"Doc {i} é.\"\"\"\n    return x + {i}\n\n" for i in range(300))
     odd = "class K:\r\n    def g(self): return 'é'\r\n\x0c\n    def h(self):\r        return 1\r\n"
     path.write_text(odd + body, encoding="utf-8", newline="")
-    start = time.perf_counter()
-    snippets = file_snippets(str(path))
-    assert time.perf_counter() - start < 3.0
     text = path.read_bytes().decode("utf-8")
-    expected = {f"big.{n.name}": "\n".join(ast.get_source_segment(text, n).splitlines()[:40])[:1500]
-                for n in ast.walk(ast.parse(text)) if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and
-                n.name in ("K", "g", "h", "f0", "f1499")}
-    got = {s.name: s.source for s in snippets if s.name in expected}
-    assert got == expected
+    lines, chars = draft_data.SOURCE_LINES, draft_data.SOURCE_CHARS
+    expected = {f"big.{n.name}": "\n".join(ast.get_source_segment(text, n).splitlines()[:lines])[:chars]
+                for n in ast.walk(ast.parse(text)) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+
+    def per_node_split(*args, **kwargs):
+        raise AssertionError("ast.get_source_segment splits the whole file at each call")
+
+    monkeypatch.setattr(draft_data.ast, "get_source_segment", per_node_split)
+    got = {s.name: s.source for s in draft_data.file_snippets(str(path)) if s.name in expected}
+    assert got == expected and len(got) == 303
 
 
 def test_an_interrupt_says_whether_anything_is_left_to_resume(tmp_path):
