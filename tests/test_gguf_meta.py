@@ -122,6 +122,24 @@ def test_an_unwritable_cache_costs_only_the_parse(gguf, built, tmp_path, monkeyp
     assert not (blocker / "cache").exists()
 
 
+def test_an_unwritable_cache_parses_the_tensor_index_once_a_process(gguf, tmp_path, monkeypatch):
+    """Reading the config and loading the weights both need the index; with nowhere to store it, the second use
+    read the file again with gguf's reader (seconds for SmolLM2)."""
+    import gguf as gguf_lib
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("OASISKV_GGUF_CACHE", str(blocker / "cache"))
+    real, opened = gguf_lib.GGUFReader, []
+    monkeypatch.setattr(gguf_lib, "GGUFReader", lambda path: opened.append(path) or real(path))
+    first = gguf_meta.tensor_index(*gguf)
+    assert gguf_meta.tensor_index(*gguf) == first and opened == [gguf[0]]
+    assert first["arch"] == "llama" and len(first["tensors"]) == 272
+    path, mtime, size = gguf
+    gguf_meta.tensor_index(path, mtime + 1, size)  # another version of the file: its own parse
+    assert opened == [gguf[0]] * 2
+
+
 @pytest.fixture(scope="module")
 def reader(gguf):
     import gguf as gguf_lib

@@ -26,6 +26,9 @@ DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "oasiskv", "gguf")
 # what an entry holds: 2 adds own_reading to the config (entries stored before it lack head_dim and rope_freqs)
 ENTRY_FORMAT = 2
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's RoPE frequency factors: read into the config, not loaded as a weight
+# tensor indexes this process parsed but could not store (an unwritable cache), by entry: reading the config and
+# loading the weights each need the index, and each parse costs seconds
+unstored_indexes: dict[str, dict] = {}
 
 
 def entry_dir(path: str, mtime_ns: int, size: int) -> str:
@@ -98,6 +101,8 @@ def tensor_index(path: str, mtime_ns: int, size: int) -> dict:
     "config": own_reading's keys}: enough to slice each tensor's data out of the file (gguf's reader gives the same
     slices); the config keys come from the same parse."""
     entry = entry_dir(path, mtime_ns, size)
+    if entry in unstored_indexes:
+        return unstored_indexes[entry]
     index = read_json(entry, "tensors.json")
     try:
         if isinstance(index["arch"], str) and isinstance(index["config"], dict) and \
@@ -115,7 +120,8 @@ def tensor_index(path: str, mtime_ns: int, size: int) -> dict:
              "tensors": [[t.name, int(t.tensor_type), int(t.data_offset), int(t.n_bytes), t.data.dtype.str,
                           list(t.data.shape)] for t in reader.tensors],
              "config": own_reading(reader)}
-    write_json(entry, "tensors.json", index)
+    if not write_json(entry, "tensors.json", index):
+        unstored_indexes[entry] = index
     return index
 
 
@@ -156,11 +162,13 @@ def read_json(entry: str, name: str):
         return None
 
 
-def write_json(entry: str, name: str, value) -> None:
+def write_json(entry: str, name: str, value) -> bool:
+    """Whether the value was stored; an unwritable cache only costs the next process the parse."""
     try:
         os.makedirs(entry, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=entry, suffix=".tmp", delete=False, encoding="utf-8") as f:
             json.dump(value, f)
         os.replace(f.name, os.path.join(entry, name))
     except OSError:
-        pass  # an unwritable cache only costs the next process the parse
+        return False
+    return True
