@@ -25,6 +25,8 @@ LAYOUTS = {
     "eagle": ("LlamaForCausalLMEagle3", "model.safetensors", False, 64, 40, 5000.0, None, False),
     "eagle-bin-own-embed": ("Eagle3LlamaForCausalLM", "pytorch_model.bin", True, 48, 64, None, [1, 4, 7], False),
     "speculators-sharded": ("Eagle3Speculator", "sharded", False, 64, 56, None, [2, 3, 6], True),
+    # the draft as wide as the 3 target features: whether to fuse them cannot be read from the input's width
+    "eagle-3x-wide-own-embed": ("LlamaForCausalLMEagle3", "model.safetensors", True, 3 * 64, 40, None, None, False),
 }
 
 
@@ -282,6 +284,17 @@ def test_errors_are_clear(target, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(ValueError, match="not an EAGLE-3 head"):
         load_eagle3(str(tmp_path), ours)
+
+
+def test_an_input_of_the_wrong_width_is_refused(target, tmp_path):
+    _, ours = target
+    write_head(tmp_path, "eagle", random_weights("eagle", seed=12))
+    head = load_eagle3(str(tmp_path), ours)
+    ids, positions = torch.tensor([1, 2]), torch.arange(2)
+    with pytest.raises(ValueError, match="width 64; 3 target features should be 192 wide"):
+        head(ids, torch.zeros(2, TARGET_HIDDEN), positions, Causal())
+    with pytest.raises(ValueError, match="width 192; its own output should be 64 wide"):
+        head(ids, torch.zeros(2, 3 * TARGET_HIDDEN), positions, Causal(), fed_back=True)
 
 
 def broken_head(path, what: str) -> None:

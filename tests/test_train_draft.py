@@ -132,7 +132,7 @@ def test_unroll_step_k_equals_drafting_k_tokens_ahead():
             out = head(ids[b, 1:t + 2], features[rows], torch.arange(t + 1), chain)[-1:]
             torch.testing.assert_close(out[0], outs[0][b, t])
             for k in range(1, steps):
-                out = head(ids[b, t + 1 + k:t + 2 + k], out, torch.tensor([t + k]), chain)
+                out = head(ids[b, t + 1 + k:t + 2 + k], out, torch.tensor([t + k]), chain, fed_back=True)
                 torch.testing.assert_close(out[0], outs[k][b, t])
 
 

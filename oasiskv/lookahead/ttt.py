@@ -109,7 +109,7 @@ def unrolled(head: Eagle3Head, token_ids: torch.Tensor, features: torch.Tensor, 
     slots = torch.arange(t, device=token_ids.device).repeat(b)
     backend, hidden = UnrollAttention(b), features
     for k in range(steps):
-        hidden = head(shifted(token_ids, 1 + k).flatten(), hidden, slots + k, backend)
+        hidden = head(shifted(token_ids, 1 + k).flatten(), hidden, slots + k, backend, fed_back=k > 0)
         yield hidden  # fed back pre-norm and not detached
 
 

@@ -155,10 +155,14 @@ class Eagle3Head(nn.Module):
         return F.embedding(token_ids, weight)
 
     def forward(self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                backend: AttentionBackend) -> torch.Tensor:
-        """token_ids, positions [N]; hidden [N, 3*H_t] (target features, fused by fc) or [N, H] (the
-        head's own previous output, fed back as is). Returns the pre-norm output [N, H]."""
-        if hidden.shape[-1] != self.config.hidden_size:
+                backend: AttentionBackend, fed_back: bool = False) -> torch.Tensor:
+        """token_ids, positions [N]; hidden [N, 3*H_t] (target features, fused by fc) or, fed_back, [N, H] (the
+        head's own previous output, used as is). Returns the pre-norm output [N, H]."""
+        width = self.config.hidden_size if fed_back else 3 * self.config.target_hidden_size
+        if hidden.shape[-1] != width:
+            what = "its own output" if fed_back else "3 target features"
+            raise ValueError(f"EAGLE-3 head input of width {hidden.shape[-1]}; {what} should be {width} wide")
+        if not fed_back:
             hidden = self.fc(hidden)
         embeds = self.embed(token_ids).to(hidden.dtype)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
