@@ -156,6 +156,25 @@ def test_a_lost_prefill_fails_only_its_requests(config, overlap):
     assert decode.remote.chunks.entries_used == 0 and decode.allocator.num_free == decode.allocator.num_blocks
 
 
+def test_a_prefill_of_other_weights_is_refused(config, tmp_path):
+    """Same shapes, other random weights: the blocks have the right size, and would be decoded into nonsense."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(1)
+    hf = LlamaConfig.from_pretrained(config.model)
+    AutoModelForCausalLM.from_config(hf, dtype=torch.float32).save_pretrained(tmp_path, safe_serialization=True)
+    other = PrefillEngine(dataclasses.replace(config, model=str(tmp_path)), DisaggConfig(role="prefill"))
+    same = PrefillEngine(config, DisaggConfig(role="prefill"))
+    decode = DecodeEngine(config, DisaggConfig(role="decode"))
+    ids = prompts(1)[0]
+    with pytest.raises(ValueError, match="runs other weights than this one .*serve the same model on both"):
+        decode.add_request(ids, GREEDY, "other", kv_transfer_params=prefilled(other, "o", ids))
+    released_soon(other, 1)  # told to free the prompt's KV
+    decode.add_request(ids, GREEDY, "same", kv_transfer_params=prefilled(same, "s", ids))
+    run(decode)
+    assert decode.requests["same"].output_token_ids == single_instance(config, [ids])[0]
+
+
 def test_bad_kv_transfer_params_are_refused(config):
     decode = DecodeEngine(config, DisaggConfig(role="decode"))
     ids = prompts(1)[0]

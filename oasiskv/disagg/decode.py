@@ -30,6 +30,13 @@ class NoRoomError(ValueError):
     retry_later = True
 
 
+def layout_mismatch(theirs: dict, ours: dict) -> str:
+    if {k: v for k, v in theirs.items() if k != "model"} == {k: v for k, v in ours.items() if k != "model"}:
+        return (f"the prefill instance runs other weights than this one (fingerprint {theirs.get('model')} against "
+                f"{ours['model']}): serve the same model on both")
+    return f"the prefill instance's KV layout {theirs} differs from this one's {ours}"
+
+
 class DecodeEngine(LLMEngine):
     def __init__(self, config: EngineConfig, disagg: DisaggConfig):
         if config.kv.mode != "oasis":
@@ -45,6 +52,7 @@ class DecodeEngine(LLMEngine):
         self.remote = RemoteKV(KVAgent("decode"), LocalChunks(self.host, disagg.remote_cache_blocks), disagg)
         self.policy.remote = self.remote
         self.largest_local_share = 0.0
+        self.layout = layout_of(self)
 
     def kv_overrides(self) -> dict:
         return {"policy_class": RemoteOasisPolicy, "store_blocks": self.disagg.local_kv_blocks}
@@ -82,9 +90,8 @@ class DecodeEngine(LLMEngine):
         prefill is told to free the KV where they name it well enough to be told."""
         try:
             check_transfer_params(p, self.model_config.vocab_size)
-            if p["layout"] != layout_of(self):
-                raise ValueError(f"the prefill instance's KV layout {p['layout']} differs from this one's "
-                                 f"{layout_of(self)}")
+            if p["layout"] != self.layout:
+                raise ValueError(layout_mismatch(p["layout"], self.layout))
         except ValueError:
             self.refuse(p)
             raise

@@ -6,6 +6,7 @@ release timeout, renewed by the decode's keep-alive notifications while it decod
 one-sided: the prefill never sees them, so silence is the only sign of a dead decode)."""
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import threading
@@ -26,10 +27,21 @@ PROGRESS_S = 0.0005  # how often the prefill's agent progresses (serves reads, t
 
 
 def layout_of(engine: LLMEngine) -> dict:
-    """What both instances must agree on for a block to mean the same bytes."""
+    """What both instances must agree on for a block to mean the same bytes, and to be read by the same model."""
     cfg = engine.model_config
     return {"num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-            "block_size": engine.block_size, "dtype": str(engine.dtype).removeprefix("torch.")}
+            "block_size": engine.block_size, "dtype": str(engine.dtype).removeprefix("torch."),
+            "model": weights_fingerprint(engine.model)}
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """A hash of every weight's name, shape and first values: another model of the same shapes (a fine-tune, other
+    random weights) would read the prefill's KV without an error and decode nonsense."""
+    h = hashlib.sha256()
+    for name, weight in sorted(model.named_parameters(), key=lambda item: item[0]):
+        h.update(f"{name}{tuple(weight.shape)}".encode())
+        h.update(weight.detach().reshape(-1)[:16].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 @dataclass
@@ -56,6 +68,7 @@ def stop(stopping: threading.Event, poller: threading.Thread) -> None:
 class KVExporter:
     def __init__(self, engine: LLMEngine, agent: KVAgent, cfg: DisaggConfig):
         self.engine, self.agent, self.cfg = engine, agent, cfg
+        self.layout = layout_of(engine)
         self.host, summaries = engine.host, engine.policy.summaries.data
         self.summaries = summaries
         self.mirror = torch.zeros(summaries.shape, dtype=summaries.dtype)  # host copy of exported summaries
@@ -83,7 +96,7 @@ class KVExporter:
         kv, mirror = self.host.kv, self.mirror
         params = {"remote_agent": self.agent.name, "remote_metadata": self.metadata,
                   "remote_request_id": request_id, "remote_block_ids": block_ids, "num_tokens": num_tokens,
-                  "first_token_id": first_token, "layout": layout_of(self.engine),
+                  "first_token_id": first_token, "layout": self.layout,
                   "lease_s": self.cfg.release_timeout_s, "lease_deadline": time.time() + self.cfg.release_timeout_s,
                   "kv_addr": kv.data_ptr(), "kv_layer_bytes": kv.stride(0) * kv.element_size(),
                   "kv_block_bytes": kv.stride(1) * kv.element_size(),
