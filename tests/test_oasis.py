@@ -406,3 +406,28 @@ def test_a_layers_first_sparse_step_judges_no_agreement():
             judged[length] = int(policy.row_counts[0, :, column].sum()) - before
     assert all(judged[n] == 0 for n in judged if n <= budget + 1)  # dense steps, then the first sparse one
     assert all(judged[n] > 0 for n in judged if n > budget + 1)
+
+
+@pytest.mark.parametrize("mode", ["quest", "retrieval", "oasis"])
+def test_only_layers_that_select_count_selected_blocks(tmp_path, mode):
+    """A layer whose budget covers the step's context attends to every block and selects none: retrieval and oasis
+    counted its blocks as selected (and as hits once resident), quest never did, so on short contexts their hit rates
+    leaned high and the modes' counts differed. Counted here by hand from each decode step's context lengths."""
+    budgets = [6, 3, 3]  # blocks per layer: layer 0 weighs 2 of the 3 layers x 4 blocks of --kv-budget 64
+    engine = tiny_engine(tmp_path, mode, layer_weights=((0, 2.0),), **({"fetch_cap": 0.5} if mode == "oasis" else {}))
+    assert engine.policy.layer_budget_blocks == budgets
+    lengths, begin = [], engine.policy.begin_step
+
+    def recording(meta):
+        lengths.append(meta.decode_seq_lens_host or [])
+        begin(meta)
+
+    engine.policy.begin_step = recording
+    run_random_requests(engine, seed=2, lengths=(20, 50), max_tokens=60)  # 80 and 110 tokens at the end
+    blocks = [[-(-n // engine.block_size) for n in step] for step in lengths if step]
+    selected = sum(min(n, budget) for step in blocks for budget in budgets if max(step) > budget for n in step)
+    stats = engine.stats_dict()
+    assert 0 < selected < sum(map(sum, blocks)) * len(budgets)  # dense steps and layers, and sparse ones
+    assert stats["kv_selected_blocks"] == selected
+    if mode != "quest":
+        assert stats["kv_hits"] + stats["kv_misses"] == selected

@@ -336,17 +336,15 @@ class OasisPolicy(OasisShortlist, TieredPolicy):
 
     def check_residency(self, layer, q, dense, draft: DraftWrite | None):
         """resident_selection before any fill: (attended, x_t's selection, its scores or None, draft scores)."""
-        scores = draft_scores = before_list = None
-        if dense:  # every block; no prediction is made for dense layers, so no agreement either
-            selection, judged = self.rows_now.every_block, torch.zeros_like(self.fresh)
-        else:
-            with self.timer("select"):
-                scores, draft_scores = self.score_now_and_draft(layer, q)
-                budget = self.layer_budget_blocks[layer]
-                ranked, before_list = self.rank_resident_list(layer, q[:self.meta.num_decode], scores, budget) \
-                    if self.cfg.shortlist else (scores, None)
-                _, selection = self.select_by(ranked, budget)
-            judged = torch.zeros_like(self.fresh) if layer in self.turned_sparse else self.fresh
+        if dense:
+            return self.every_block_resident(layer), None, None, None
+        with self.timer("select"):
+            scores, draft_scores = self.score_now_and_draft(layer, q)
+            budget = self.layer_budget_blocks[layer]
+            ranked, before_list = self.rank_resident_list(layer, q[:self.meta.num_decode], scores, budget) \
+                if self.cfg.shortlist else (scores, None)
+            _, selection = self.select_by(ranked, budget)
+        judged = torch.zeros_like(self.fresh) if layer in self.turned_sparse else self.fresh
         check = resident_selection if self.cuda else resident_selection_reference  # + selected/hit/miss/agreement
         opened = self.rows_now.opened
         attended = check(selection, self.ws._slot_of, self.predicted, self.rows, judged, self.row_counts[0],
@@ -355,8 +353,7 @@ class OasisPolicy(OasisShortlist, TieredPolicy):
             self.count_list_fetches_as_misses(selection, before_list, attended[:, :-1])
         if not self.fetches(dense):  # misses are left out
             return attended, selection, scores, draft_scores
-        fetch_all = dense or self.fetch_every_miss
-        fetch_rows = torch.ones_like(self.cold) if fetch_all else self.cold
+        fetch_rows = torch.ones_like(self.cold) if self.fetch_every_miss else self.cold
         resident = attended[:, :-1]
         need = torch.where((selection >= 0) & (resident < 0) & fetch_rows[:, None], selection, -1)
         with self.timer("gather"):
@@ -365,6 +362,15 @@ class OasisPolicy(OasisShortlist, TieredPolicy):
         self.count("miss_fetched_blocks", fetched & ~self.cold[:, None])
         attended = torch.cat([torch.where((resident >= 0) | fetched, selection, -1), opened[:, None]], 1)
         return attended, selection, scores, draft_scores
+
+    def every_block_resident(self, layer) -> torch.Tensor:
+        """A dense layer's attended blocks, as resident_selection gives them: every block, the missing ones fetched.
+        It selects nothing, so nothing is counted but the fetch (quest counts no dense layer's blocks either)."""
+        every = self.rows_now.every_block
+        need = torch.where(self.ws.table(layer, self.rows, every.shape[1]) < 0, every, -1)
+        with self.timer("gather"):
+            self.fetch(layer, need, self.mask_of(every))
+        return torch.cat([every, self.rows_now.opened[:, None]], 1)
 
     def score_now_and_draft(self, layer, q) -> tuple[torch.Tensor, torch.Tensor]:
         """x_t's block scores fp32 [B, W] (W: the decode block tables' width) and the draft's [B, W + 1]

@@ -382,9 +382,10 @@ class RetrievalPolicy(TieredPolicy):
             selection = wanted
         with self.timer("gather"):
             miss, _ = self.fetch(layer, wanted, self.mask_of(wanted))
-        self.count("selected_blocks", wanted >= 0)
-        self.count("misses", miss)
-        self.count("hits", (wanted >= 0) & ~miss)
+        if selection is not None:  # a dense layer selects nothing: as in quest, none of its blocks count
+            self.count("selected_blocks", wanted >= 0)
+            self.count("misses", miss)
+            self.count("hits", (wanted >= 0) & ~miss)
         tables = self.ws.table(layer, self.rows, width)
         if self.cfg.shortlist and selection is not None:  # the list is resident: its exact mass picks the budget
             with self.timer("select"):
