@@ -224,9 +224,13 @@ class LLM:
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError(f"messages: a list of {{'role', 'content'}} dicts, or a list of such lists; got "
                              f"{reprlib.repr(messages)}")
+        if not isinstance(chat_template_kwargs, (dict, type(None))):
+            raise ValueError(f"chat_template_kwargs: a dict of the template's variables, got "
+                             f"{reprlib.repr(chat_template_kwargs)}")
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        options = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                       continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+        # as vLLM: chat_template_kwargs override the named options (a key in both was a TypeError)
+        options = {"chat_template": chat_template, "add_generation_prompt": add_generation_prompt,
+                   "continue_final_message": continue_final_message, **(chat_template_kwargs or {})}
         prompts = [self.tokenizer.apply_chat_template(chat_messages(conv, i), **options)
                    for i, conv in enumerate(conversations)]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
@@ -269,8 +273,9 @@ class LLM:
             out.prompt_logprobs = [None if lp is None else self._logprob_dict(lp) for lp in found]
 
     def _logprob_dict(self, lp: TokenLogprob) -> dict[int, Logprob]:
-        """vLLM's shape: the token itself first, then the top k (a token in both is listed once)."""
-        text = self.tokenizer.decode
+        """vLLM's shape: the token itself first, then the top k (a token in both is listed once). Each token's text
+        is vLLM's decoded_token: the token decoded alone, special tokens kept (the engine's decode drops them)."""
+        text = self.get_tokenizer().decode
         out = {lp.token_id: Logprob(lp.logprob, lp.rank, text([lp.token_id]))}
         for rank, (token, value) in enumerate(lp.top, start=1):
             out.setdefault(token, Logprob(value, rank, text([token])))

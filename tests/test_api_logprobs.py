@@ -57,3 +57,15 @@ def test_n_choices_each_get_their_logprobs_and_bad_counts_are_refused(smollm_llm
         with pytest.raises(ValueError, match="logprobs must be an integer"):
             SamplingParams(logprobs=k)
     assert not smollm_llm.engine.sampler.wanted and not smollm_llm.engine.sampler.recorded
+
+
+def test_decoded_tokens_keep_special_tokens_as_vllms_do(smollm_llm, smollm_hf_tokenizer):
+    """vLLM's Logprob.decoded_token is tokenizer.decode([id]) at transformers' default, special tokens kept (so does
+    the server's logprobs): the chat markers <|im_start|> and <|im_end|> read as '' here."""
+    messages = [{"role": "user", "content": "Name a colour."}]
+    out = smollm_llm.chat(messages, SamplingParams(temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=2),
+                          use_tqdm=False)[0]
+    entries = out.prompt_logprobs[1:] + out.outputs[0].logprobs
+    texts = {t: lp.decoded_token for entry in entries for t, lp in entry.items()}
+    assert texts == {t: smollm_hf_tokenizer.decode([t]) for t in texts}
+    assert {"<|im_start|>", "<|im_end|>"} <= set(texts.values())  # the prompt's markers are among them

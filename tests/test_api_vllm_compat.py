@@ -114,3 +114,22 @@ def test_the_offline_api_imports_without_the_servers_pydantic():
     code = "import sys; sys.modules['pydantic'] = None; import oasiskv.api, oasiskv.evals.harness; print('ok')"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+
+
+def test_chat_template_kwargs_override_the_named_options_as_in_vllm(smollm_llm, smollm_hf_tokenizer):
+    """vLLM's chat(): chat_template_kwargs update the named options (add_generation_prompt, chat_template, ...); a key
+    in both was a TypeError here (dict() got multiple values), and a non-dict a TypeError from **."""
+    from oasiskv import SamplingParams
+
+    messages = [{"role": "user", "content": "hi"}]
+    out = smollm_llm.chat(messages, SamplingParams(**GREEDY), use_tqdm=False,
+                          chat_template_kwargs={"add_generation_prompt": False})[0]
+    text = smollm_hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    assert out.prompt_token_ids == smollm_hf_tokenizer.encode(text, add_special_tokens=False)
+    template = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
+    out = smollm_llm.chat(messages, SamplingParams(**GREEDY), use_tqdm=False, chat_template="unused {{ x }}",
+                          chat_template_kwargs={"chat_template": template})[0]
+    assert smollm_llm.tokenizer.decode(out.prompt_token_ids) == "<hi>"
+    with pytest.raises(ValueError, match="chat_template_kwargs: a dict"):
+        smollm_llm.chat(messages, SamplingParams(**GREEDY), use_tqdm=False, chat_template_kwargs=["greeting"])
+    assert not smollm_llm.engine.has_unfinished()
