@@ -29,7 +29,7 @@ def test_logprobs_of_greedy_and_sampled_tokens_are_transformers(smollm_llm, smol
             assert list(entry)[0] == token and set(entry) == {token, *top}
             for t, lp in entry.items():
                 assert lp.logprob == pytest.approx(float(row[t]), abs=1e-4)
-                assert lp.rank == int((row > row[t]).sum()) + 1
+                assert lp.rank == int((row >= row[t]).sum())
                 assert lp.decoded_token == smollm_llm.tokenizer.decode([t])
     assert all(e[t].rank == 1 for e, t in zip(outs[0].outputs[0].logprobs, outs[0].outputs[0].token_ids))
     assert outs[0].prompt_logprobs is None and not smollm_llm.engine.requests
@@ -69,3 +69,14 @@ def test_decoded_tokens_keep_special_tokens_as_vllms_do(smollm_llm, smollm_hf_to
     texts = {t: lp.decoded_token for entry in entries for t, lp in entry.items()}
     assert texts == {t: smollm_hf_tokenizer.decode([t]) for t in texts}
     assert {"<|im_start|>", "<|im_end|>"} <= set(texts.values())  # the prompt's markers are among them
+
+
+def test_a_tied_token_ranks_behind_its_ties_as_in_vllm():
+    """vLLM's rank counts the tokens at least as likely as the token (vllm/v1/sample/ops/logprobs.py,
+    batched_count_greater_than: x >= value): a token tied with another ranks 2, not 1."""
+    from oasiskv.engine.logprobs import token_logprobs
+
+    logits = torch.tensor([[2.0, 2.0, 0.5, 2.0], [0.1, 0.3, 0.2, 0.0]])
+    got = token_logprobs(logits, [1, 2], [0, 0])
+    rows = torch.log_softmax(logits, -1)
+    assert [lp.rank for lp in got] == [int((row >= row[t]).sum()) for row, t in zip(rows, [1, 2])] == [3, 2]

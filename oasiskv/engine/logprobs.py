@@ -18,7 +18,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the k most likely tokens, most likely first
-    rank: int = 1  # the token's rank in its row: 1 + how many tokens are more likely
+    rank: int = 1  # the token's rank in its row: how many tokens are at least as likely (ties ahead, as in vLLM)
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], ks: list[int]) -> list[TokenLogprob]:
@@ -27,7 +27,7 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], ks: list[int]) ->
     rows = torch.log_softmax(logits.float(), dim=-1)
     targets = torch.tensor(token_ids, dtype=torch.long, device=rows.device)
     chosen_rows = rows.gather(1, targets[:, None])
-    ranks = ((rows > chosen_rows).sum(dim=1) + 1).tolist()
+    ranks = (rows >= chosen_rows).sum(dim=1).tolist()
     chosen = chosen_rows.squeeze(1).tolist()
     top_values, top_ids = [[]] * len(token_ids), [[]] * len(token_ids)
     if max(ks, default=0):
