@@ -211,8 +211,11 @@ class LLM:
             self._discard([rid for g in groups for rid in g])  # all or nothing: a bad prompt queues none
             raise ValueError(f"prompt {len(groups) - 1}: {e}") from e
         outputs = self._run(groups, use_tqdm)
-        for out, group, sp in zip(outputs, groups, params):
-            self._add_logprobs(out, group, sp)
+        try:
+            for out, group, sp in zip(outputs, groups, params):
+                self._add_logprobs(out, group, sp)
+        finally:  # after an error too (a prompt_logprobs forward out of memory): async scheduling pauses while any
+            self._forget_logprobs([rid for g in groups for rid in g])  # request wants logprobs
         return outputs
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
@@ -250,6 +253,9 @@ class LLM:
 
     def _discard(self, ids: list[str]) -> None:
         self.engine.discard(ids)
+        self._forget_logprobs(ids)
+
+    def _forget_logprobs(self, ids: list[str]) -> None:
         if isinstance(self.engine.sampler, LogprobSampler):
             for rid in ids:
                 self.engine.sampler.drop(rid)

@@ -80,3 +80,19 @@ def test_a_tied_token_ranks_behind_its_ties_as_in_vllm():
     got = token_logprobs(logits, [1, 2], [0, 0])
     rows = torch.log_softmax(logits, -1)
     assert [lp.rank for lp in got] == [int((row >= row[t]).sum()) for row, t in zip(rows, [1, 2])] == [3, 2]
+
+
+def test_an_error_while_attaching_logprobs_leaves_no_request_wanting_them(smollm_llm, monkeypatch):
+    """The prompt_logprobs forward of the first prompt fails (as out of memory would): the second prompt's request
+    stayed in the sampler's wanted list, and async scheduling stays paused while any request is there."""
+    import oasiskv.api
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(oasiskv.api, "prompt_logprobs", out_of_memory)
+    sp = SamplingParams(temperature=0, max_tokens=2, logprobs=1, prompt_logprobs=1)
+    with pytest.raises(RuntimeError, match="simulated"):
+        smollm_llm.generate(["One, two,", "Red, green,"], sp, use_tqdm=False)
+    assert not smollm_llm.engine.sampler.wanted and not smollm_llm.engine.sampler.recorded
+    assert not smollm_llm.engine.sampler.reads_each_step
