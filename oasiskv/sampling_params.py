@@ -120,6 +120,9 @@ class SamplingParams:
         # a seed torch's generators refuse would fail the engine's step, not this request
         if self.seed is not None and not (is_integer(self.seed) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]):
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        if self.seed is not None and is_integer(self.n) and self.seed + self.n - 1 >= SEED_RANGE[1]:
+            raise ValueError(f"seed {self.seed} with n {self.n}: choice i is seeded seed + i, so seed must be below "
+                             f"2**64 - {self.n - 1}")
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -167,6 +167,13 @@ def test_sampling_params_refuse_what_the_step_would_fail_on(fields, message):
         SamplingParams(**fields)
 
 
+def test_a_seed_whose_later_choices_leave_the_range_is_refused_by_its_own_value():
+    """Choice i of n is seeded seed + i: the error came from the second choice, naming 2**64, a seed never given."""
+    with pytest.raises(ValueError, match=rf"seed {2 ** 64 - 1} with n 2: .* below 2\*\*64 - 1"):
+        SamplingParams(seed=2 ** 64 - 1, n=2)
+    assert [c.seed for c in SamplingParams(seed=2 ** 64 - 2, n=2).choices()] == [2 ** 64 - 2, 2 ** 64 - 1]
+
+
 def test_sampling_params_take_the_seed_range_and_numpy_ints():
     np = pytest.importorskip("numpy")
     for seed in (-2 ** 63, 2 ** 64 - 1, np.int64(3)):
