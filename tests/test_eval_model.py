@@ -171,3 +171,15 @@ def test_eval_runs_a_value_listed_twice_once():
     cli.fill_sizes(args)
     cli.check_lists(args)
     assert (args.kv_budget, args.context, args.tasks) == ([512, 1024], [1024], ["ppl"])
+
+
+def test_common_words_are_one_token_of_the_model(smollm_hf_tokenizer):
+    """cwe's words are each one token of SmolLM2's tokenizer, as the special sentences write them (after a space) and
+    as the answer does (after its opening quote): nouns of several tokens were begun right and ended wrong."""
+    from oasiskv.evals.synthetic import CWE_WORDS
+
+    for word in CWE_WORDS:
+        assert len(smollm_hf_tokenizer.encode(word, add_special_tokens=False)) == 1, word
+        assert len(smollm_hf_tokenizer.encode(" " + word, add_special_tokens=False)) == 1, word
+        assert len(smollm_hf_tokenizer.encode('"' + word, add_special_tokens=False)) == 2, word
+    assert not [a for a in CWE_WORDS for b in CWE_WORDS if a != b and a in b]

@@ -80,25 +80,44 @@ def test_variable_tracking_answers_match_a_brute_force_resolution(haystack):
         assert len(s.answers) == 2 and text.endswith("they are: VAR")
 
 
+def special_words(text: str) -> list[tuple[int, str]]:
+    return [(m.start(), m.group(1)) for m in re.finditer(r"One of the special words is: ([a-z]+)\.", text)]
+
+
 def test_common_words_answer_is_strictly_the_most_frequent_and_spread(haystack):
     """The asked-for word is a third of the special words, every other is said once, and its sentences
     reach from the first quarter of the prompt to the last (counting them needs the whole context)."""
     for s in make_samples("cwe", haystack, 8192, 4, seed=3):
         text = prompt_text(s)
-        found = [(m.start(), m.group(1)) for m in re.finditer(r"One of the special words is: ([a-z]+-[a-z]+)\.", text)]
+        found = special_words(text)
         counts = Counter(w for _, w in found).most_common()
-        assert [counts[0][0]] == s.answers and counts[0][1] == 12 and counts[1][1] == 1
-        assert len(found) == 3 * 12
-        assert len({w.split("-")[0] for w, _ in counts}) == len(counts)  # no two words start alike
+        repeats = counts[0][1]
+        assert [counts[0][0]] == s.answers and counts[1][1] == 1
+        assert repeats > 12 and len(found) == 3 * repeats  # more than the old cap of 12 at 8K
+        assert not [a for a, _ in counts for b, _ in counts if a != b and a in b]  # no word inside another
         where = [at / len(text) for at, w in found if w == s.answers[0]]
         assert min(where) < 0.25 and max(where) > 0.75
         assert text.endswith('appears most often in the provided text is "')
 
 
+@pytest.mark.parametrize("context", [1024, 4096, 8192])
+def test_common_words_say_the_answer_once_per_330_haystack_tokens(haystack, context):
+    """The special sentences are as dense in every context (at 8K the old cap of 12 repeats spread them twice as
+    thin as at 4K): the answer once per 330 tokens of book text (the byte tokenizer: one token a character), at
+    least twice. The book text is what remains of the body without the special sentences, a little shorter than the
+    text drawn (the sentences are split and joined again by one space): at most one repeat more than it says."""
+    for s in make_samples("cwe", haystack, context, 3, seed=4):
+        text = prompt_text(s)
+        found = special_words(text)
+        body = text[text.index("\n\n") + 2:text.index("\n\nQuestion:")]
+        book = len(body) - sum(len(f"One of the special words is: {w}.") + 1 for _, w in found)
+        assert max(2, book // 330) <= Counter(w for _, w in found)[s.answers[0]] <= max(2, book // 330) + 1
+
+
 def test_common_words_repeat_more_in_a_longer_context(haystack):
-    short, long = (make_samples("cwe", haystack, c, 1, seed=4)[0] for c in (1024, 8192))
-    said = [prompt_text(x).count(f"special words is: {x.answers[0]}.") for x in (short, long)]
-    assert 2 <= said[0] < said[1] == 12
+    short, middle, long = (make_samples("cwe", haystack, c, 1, seed=4)[0] for c in (1024, 4096, 8192))
+    said = [prompt_text(x).count(f"special words is: {x.answers[0]}.") for x in (short, middle, long)]
+    assert 2 <= said[0] < said[1] < said[2] and abs(said[2] - 2 * said[1]) <= 2  # about twice as many at 8K as at 4K
 
 
 def test_insert_sentences_keeps_order_and_depth():
@@ -117,11 +136,12 @@ def test_string_match_all():
 
 
 def test_common_words_score_the_first_word_whole():
-    assert score_output("cwe", ' "amber-falcon".', ["amber-falcon"]) == 1.0
-    assert score_output("cwe", ": Amber-Falcon, then more", ["amber-falcon"]) == 1.0
-    assert score_output("cwe", " amber-falconry", ["amber-falcon"]) == 0.0  # a substring match took it
-    assert score_output("cwe", " calm-river, amber-falcon", ["amber-falcon"]) == 0.0  # listing every word
-    assert score_output("cwe", "", ["amber-falcon"]) == 0.0
+    assert score_output("cwe", ' "falcon".', ["falcon"]) == 1.0
+    assert score_output("cwe", ": Falcon, then more", ["falcon"]) == 1.0
+    assert score_output("cwe", " falconry", ["falcon"]) == 0.0  # a substring match took it
+    assert score_output("cwe", " river, falcon", ["falcon"]) == 0.0  # listing every word
+    assert score_output("cwe", "The special word is falcon", ["falcon"]) == 0.0  # a preamble
+    assert score_output("cwe", "", ["falcon"]) == 0.0
     assert score_output("niah_single", "It is 1234567.", ["1234567"]) == 1.0
 
 

@@ -9,8 +9,8 @@ words (3 of a numbered list) scored 0 for dense. Here variable tracking is one c
 the answer primed by "VAR" (docs/ACCURACY.md has the numbers). Common words was a comma-separated list of
 short words, one of them a quarter of it: dense scored no better than copying the list's first or last
 word, and at 4K it named words not in the list. It now hides special words through the haystack, as the
-needles are hidden, one of them a third of those sentences and every other once, and is scored on the
-first word of the answer, whole."""
+needles are hidden (nouns of one token), one of them a third of those sentences and every other once, as many
+sentences per haystack token at 8K as at 4K, and is scored on the first word of the answer, whole."""
 from __future__ import annotations
 
 import random
@@ -27,8 +27,21 @@ NOUNS = ("anchor", "badger", "candle", "dragon", "engine", "falcon", "garden", "
          "kettle", "lantern", "meadow", "needle", "orchard", "pepper", "quarry", "river", "saddle", "tunnel",
          "valley", "wagon", "willow", "yacht", "zephyr", "basket", "cellar", "forest", "glacier", "hammer")
 
-CWE_MAX_REPEATS = 12  # cwe: the answer up to 12 times among twice as many words said once (a third of the sentences)
-CWE_TOKENS_PER_REPEAT = 256  # fewer repeats in a shorter haystack (at 4K and 8K: 12)
+# cwe's special words: nouns that SmolLM2's tokenizer writes as one token with a space before it and without (as after
+# the answer's opening quote), and that Austen's six novels use at most 20 times; none is part of another. Adjective-noun
+# pairs, as the needles' keys, were copied wrongly by SmolLM2-135M (the noun right, the adjective a synonym: "sharp-eye"
+# for keen-bridge), and nouns of several tokens often began right and ended wrong ("pillar" for pillow, "petal" for garden)
+CWE_WORDS = ("anchor", "engine", "river", "forest", "button", "castle", "bridge", "apple", "ocean", "robot", "camera",
+             "wallet", "cookie", "planet", "satellite", "radio", "owl", "bee", "fox", "wolf", "tree", "rock", "lake",
+             "moon", "cloud", "stone", "sand", "leaf", "flower", "grass", "boat", "ship", "train", "bus", "floor",
+             "phone", "bag", "cup", "plate", "glass", "hat", "coat", "shirt", "coin", "map", "flag", "bell", "horn",
+             "wheel", "chain", "gear", "pipe", "tube", "tank", "motor", "cat", "dog", "pig", "mouse", "snake", "lion",
+             "berry", "bean", "corn", "rice", "bread", "soup", "salt", "sugar", "milk")
+# cwe: the answer once per 330 haystack tokens among twice as many words said once (a third of the sentences), so the
+# special sentences are as dense at 8K (22 repeats, 66 sentences) as at 4K (11, 33): at 8K the old cap of 12 repeats
+# spread them twice as thin as at 4K
+CWE_TOKENS_PER_REPEAT = 330
+CWE_MAX_REPEATS = (len(CWE_WORDS) - 1) // 2  # 34: 69 distinct words said once
 
 NEEDLE = "One of the special magic numbers for {key} is: {value}."
 WORD_NEEDLE = "One of the special words is: {word}."
@@ -107,11 +120,6 @@ def spread_depths(rng: random.Random, n: int) -> list[float]:
     return [0.05 + 0.9 * (i + rng.random()) / n for i in range(n)]
 
 
-def distinct_pairs(rng: random.Random, n: int) -> list[str]:
-    """Keys that share no adjective and no noun: no two special words start or end alike."""
-    return [f"{a}-{b}" for a, b in zip(rng.sample(ADJECTIVES, n), rng.sample(NOUNS, n))]
-
-
 def cwe_repeats(size: int) -> int:
     return min(CWE_MAX_REPEATS, max(2, size // CWE_TOKENS_PER_REPEAT))
 
@@ -122,7 +130,7 @@ def common_words_task(rng: random.Random, filler: str, repeats: int) -> Parts:
     text, so the count spans the whole context. The answer is opened by a quote: without it SmolLM2-135M
     often began with a preamble ("The special word is: ...") and the first word was not the answer."""
     singles = 2 * repeats
-    keys = distinct_pairs(rng, 1 + singles)
+    keys = rng.sample(CWE_WORDS, 1 + singles)
     words = [keys[0]] * repeats + keys[1:]
     rng.shuffle(words)
     sentences = [WORD_NEEDLE.format(word=w) for w in words]
