@@ -273,7 +273,6 @@ class LLM:
                 taken = sampler.take(rid)
                 choice.logprobs = [self._logprob_dict(lp) for lp in taken]
                 choice.cumulative_logprob = sum(lp.logprob for lp in taken)
-                sampler.drop(rid)
         if sp.prompt_logprobs is not None:
             found = prompt_logprobs(self.engine.model, out.prompt_token_ids, sp.prompt_logprobs, self.engine.device)
             out.prompt_logprobs = [None if lp is None else self._logprob_dict(lp) for lp in found]
