@@ -11,6 +11,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests.triton_compat import squeeze_interpreted_indices  # noqa: E402
+
+squeeze_interpreted_indices()
+
 # `make test` runs the suite in pytest-xdist workers: they share the cores rather than each taking all
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(4, (os.cpu_count() or 1) // _workers)))
