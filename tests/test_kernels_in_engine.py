@@ -25,6 +25,8 @@ COUNTERS = ("kv_selected_blocks", "kv_hits", "kv_misses", "kv_prefetched_blocks"
 RUN = textwrap.dedent('''
     import json, os, sys
     os.environ["TRITON_INTERPRET"] = "1"
+    from tests.triton_compat import squeeze_interpreted_indices
+    squeeze_interpreted_indices()
     import torch
     torch.set_num_threads(1)
     from oasiskv.config import CacheConfig, EngineConfig, KVConfig, SamplingParams, SchedulerConfig
@@ -57,7 +59,8 @@ RUN = textwrap.dedent('''
 
 def generate(tiny: str, lengths: str, forced: bool, block_score: str, miss_policy: str, select_per: str,
              summary_tokens: int, layer_weights: str, shortlist: float) -> dict:
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # CUDA hidden: on a GPU machine the engine would otherwise run on the device, its kernels interpreted there
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run([sys.executable, "-c", RUN, tiny, lengths, "1" if forced else "0", block_score,
                            miss_policy, select_per, str(summary_tokens), layer_weights, str(shortlist)], env=env,
                           capture_output=True, text=True, timeout=600)
