@@ -90,7 +90,7 @@ def test_eval_command_end_to_end(tmp_path, capsys):
         main(["eval", "--quick", "--corpus", "sample", "--context", "384", "--kv-budget", "96", "--modes",
               "dense,quest,oasis", "--fetch-cap", "0.05,0.1", "--tasks", "ppl,copy,niah_single,long_output",
               "--samples", "1", "--windows", "2", "--scored", "8", "--gen-tokens", "8", "--json", str(out_json),
-              "--plot", str(out_png)])
+              "--plot", str(out_png), "--save-outputs", str(tmp_path / "outputs.jsonl")])
     printed = capsys.readouterr().out
     assert "niah_single.score" in printed and "budget 96" in printed
     # 4.8 and 9.6 tokens: below one block, so the sweep skips them (and says so) instead of failing
@@ -104,6 +104,26 @@ def test_eval_command_end_to_end(tmp_path, capsys):
     quest = [r for r in results if r["mode"] == "quest" and r["task"] == "ppl" and r["metric"] == "kl"]
     assert quest and quest[0]["value"] > 0 and quest[0]["drop"] > 0
     assert out_png.read_bytes()[:4] == b"\x89PNG"
+    check_saved_outputs(tmp_path / "outputs.jsonl", results)
+
+
+def check_saved_outputs(path, results):
+    """Every generated output saved once a configuration; the scores and agreements in the JSON follow from them."""
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert sorted((x["variant"], x["task"]) for x in lines) == [
+        ("dense", "long_output"), ("dense", "niah_single"),
+        ("quest budget=96", "long_output"), ("quest budget=96", "niah_single")]
+    saved = {(x["variant"], x["task"]): x for x in lines}
+    value = {(r["variant"], r["task"], r["metric"]): r["value"] for r in results}
+    for variant in ("dense", "quest budget=96"):
+        needle = saved[(variant, "niah_single")]
+        found = sum(a.lower() in needle["output"].lower() for a in needle["answers"]) / len(needle["answers"])
+        assert needle["score"] == found and value[(variant, "niah_single", "score")] == 100 * found
+        assert len(saved[(variant, "long_output")]["tokens"]) == 8
+    dense, quest = saved[("dense", "long_output")]["tokens"], saved[("quest budget=96", "long_output")]["tokens"]
+    same = [a == b for a, b in zip(quest, dense)]
+    assert value[("quest budget=96", "long_output", "same_tokens")] == 100 * sum(same) / 8
+    assert saved[("quest budget=96", "long_output")]["first_divergence"] == (same + [False]).index(False)
 
 
 def test_oasis_with_a_budget_at_the_context_has_no_agreement_row(tmp_path):
@@ -117,6 +137,16 @@ def test_oasis_with_a_budget_at_the_context_has_no_agreement_row(tmp_path):
     results = json.loads(out_json.read_text())["results"]
     oasis = {(r["task"], r["metric"]): r["value"] for r in results if r["mode"] == "oasis"}
     assert oasis[("ppl", "top1_agree")] == 100 and ("lookahead", "agreement") not in oasis
+
+
+def test_eval_rejects_an_outputs_file_in_a_missing_folder_before_loading(monkeypatch, tmp_path):
+    from oasiskv.cli import main
+    from oasiskv.evals import harness
+
+    monkeypatch.setattr(harness, "build_llm", lambda *a: pytest.fail("loaded a model"))
+    with pytest.raises(SystemExit, match="--save-outputs: the folder .*missing does not exist"):
+        main(["eval", "--quick", "--corpus", "sample", "--modes", "dense",
+              "--save-outputs", str(tmp_path / "missing" / "out.jsonl")])
 
 
 def test_eval_rejects_a_context_beyond_the_model_before_loading_it(monkeypatch):

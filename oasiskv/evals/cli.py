@@ -73,6 +73,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chat", action="store_true", help="wrap synthetic prompts in the chat template")
     g.add_argument("--json", default=None, help="write the results here (rewritten after each configuration)")
     g.add_argument("--plot", default=None, help="write a PNG of drop against budget here")
+    g.add_argument("--save-outputs", default=None, metavar="FILE.jsonl",
+                   help="write what each configuration generated (synthetic answers, long outputs), a line a sample")
     g.add_argument("--quick", action="store_true", help="a small run for the CPU (a few minutes)")
 
 
@@ -130,6 +132,7 @@ def base_config(args: argparse.Namespace):
 
 def main(args: argparse.Namespace) -> None:
     from oasiskv.evals.harness import expand_variants, run_eval, split_runnable
+    from oasiskv.evals.outputs import OutputLog
     from oasiskv.evals.report import plot, table, write_json
     from oasiskv.evals.tasks import Settings
     from oasiskv.evals.texts import load_corpus
@@ -152,14 +155,17 @@ def main(args: argparse.Namespace) -> None:
         settings_used = {**{k: v for k, v in vars(args).items() if k != "func"},
                          "skipped": [v.label for v in skipped]}
         save = (lambda rows: write_json(args.json, rows, settings_used)) if args.json else None
+        outputs = OutputLog(args.save_outputs) if args.save_outputs else None
         rows = run_eval(config, args.context, variants, args.tasks, settings, documents, args.batch,
-                        log=lambda m: print(m, file=sys.stderr, flush=True), checkpoint=save)
+                        log=lambda m: print(m, file=sys.stderr, flush=True), checkpoint=save, outputs=outputs)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         raise SystemExit(f"error: {e}")
     print(table(rows, [v.label for v in skipped]))
     print(f"{len(variants) + 1} configurations x {len(args.context)} contexts in {time.perf_counter() - t0:.0f} s")
     if args.json:
         print(f"wrote {args.json} (also after each configuration)")
+    if args.save_outputs:
+        print(f"wrote {args.save_outputs} (outputs, a line a sample)")
     if args.plot and variants:
         plot(args.plot, rows)
         print(f"wrote {args.plot}")

@@ -158,9 +158,11 @@ def release(llm) -> None:
 
 
 def run_eval(base: EngineConfig, contexts: list[int], variants: list[Variant], task_names: list[str],
-             settings: Settings, documents: list[str], batch: int, log=print, checkpoint=None) -> list[dict]:
+             settings: Settings, documents: list[str], batch: int, log=print, checkpoint=None,
+             outputs=None) -> list[dict]:
     """Rows of {context, variant, series, mode, budget, fetch_cap, draft, task, metric, value, dense};
-    checkpoint(rows so far), if given, is called after each configuration (partial results survive)."""
+    checkpoint(rows so far), if given, is called after each configuration (partial results survive), and
+    outputs (an evals.outputs.OutputLog) is given each configuration's generated outputs."""
     tasks = [build_task(n) for n in task_names]
     check_contexts(base, contexts)
     for v in variants:
@@ -173,6 +175,8 @@ def run_eval(base: EngineConfig, contexts: list[int], variants: list[Variant], t
             hay = Haystack(documents, llm.tokenizer)
             inputs = {t.name: t.prepare(hay, context, settings) for t in tasks}
             dense, references = run_variant(llm, DENSE, tasks, inputs, settings, None, context, log)
+            if outputs:
+                outputs.write(context, DENSE.label, inputs, references, None, llm.tokenizer.decode)
             release(llm)
             rows += dense
             if checkpoint:
@@ -180,7 +184,9 @@ def run_eval(base: EngineConfig, contexts: list[int], variants: list[Variant], t
             dense_values = {(r["task"], r["metric"]): r["value"] for r in dense}
             for v in variants:
                 llm = build_llm(variant_config(config, v))
-                found, _ = run_variant(llm, v, tasks, inputs, settings, references, context, log)
+                found, produced = run_variant(llm, v, tasks, inputs, settings, references, context, log)
+                if outputs:
+                    outputs.write(context, v.label, inputs, produced, references, llm.tokenizer.decode)
                 release(llm)
                 for r in found:
                     r["dense"] = dense_values.get((r["task"], r["metric"]))

@@ -118,7 +118,7 @@ class LongOutput:
             return {"same_tokens": 100.0, "first_divergence": float(s.gen_tokens)}, outs
         same = [a == b for out, ref in zip(outs, reference) for a, b in zip(out, ref)]
         firsts = [first_difference(out, ref) for out, ref in zip(outs, reference)]
-        return {"same_tokens": 100.0 * sum(same) / len(same), "first_divergence": sum(firsts) / len(firsts)}, None
+        return {"same_tokens": 100.0 * sum(same) / len(same), "first_divergence": sum(firsts) / len(firsts)}, outs
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
