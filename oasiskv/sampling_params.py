@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 SEED_RANGE = (-2 ** 63, 2 ** 64)  # what torch.Generator.manual_seed takes
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+SAMPLING_EPS = 1e-5  # vLLM's and SGLang's: a temperature below it samples greedily
 
 
 def is_integer(value) -> bool:
@@ -158,7 +159,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
     def choices(self) -> list["SamplingParams"]:
         """One request's params per choice: n 1, choice i seeded seed + i (an unseeded choice's generator is seeded

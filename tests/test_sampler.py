@@ -57,8 +57,19 @@ def chi2_critical(df, z=4.753):
 def test_greedy_params():
     assert SamplingParams(temperature=0).greedy
     assert SamplingParams(temperature=0.0).greedy
-    assert not SamplingParams(temperature=1e-6).greedy
+    assert SamplingParams(temperature=1e-6).greedy  # below vLLM's 1e-5, as vLLM and SGLang take it
+    assert not SamplingParams(temperature=1e-5).greedy
     assert not SamplingParams().greedy
+
+
+def test_a_temperature_below_1e_5_takes_the_first_of_tied_maxima_and_draws_nothing():
+    logits = torch.tensor([0.0, 5.0, 1.0, 5.0, 5.0])  # argmax's first of the ties: index 1
+    s = Sampler(CPU, seed=0)
+    for seed in range(12):
+        params = SamplingParams(temperature=9e-6, seed=seed)
+        assert sample_row(logits, params, torch.Generator().manual_seed(seed)) == 1
+        assert s.sample(logits[None], [f"r{seed}"], [params]) == [1]
+    assert not s.generators  # no generator was made: greedy rows draw nothing
 
 
 @pytest.mark.parametrize("temperature", [1e-38, 1e-40, 1e-300])

@@ -9,8 +9,6 @@ import torch
 from oasiskv.config import SamplingParams
 from oasiskv.engine.penalties import TokenHistory, apply_penalties, token_mask
 
-MIN_TEMPERATURE = 1e-30
-
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """logits [V] -> logits with the excluded tokens at -inf."""
@@ -37,10 +35,8 @@ def draw_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Gene
     """The sampled token as a 0-d int64 tensor on the logits' device (no host sync)."""
     if params.greedy:
         return torch.argmax(logits)
-    # The max subtracted first, and a floor (fp32's floats end near 1e-38): logits / 1e-40 overflowed to inf, whose
-    # softmax is NaN, and token 0 came out. Below the floor the draw is already the argmax's (ties shared).
-    temperature = max(params.temperature, MIN_TEMPERATURE)
-    logits = (logits - logits.max()) / temperature
+    # The max subtracted first: a small temperature (1e-5 and up; below it is greedy) then divides no logit to inf
+    logits = (logits - logits.max()) / params.temperature
     if params.min_p > 0:  # (the top token's logit is 0 here: its probability is 1 / sum(exp))
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
