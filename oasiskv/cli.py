@@ -22,6 +22,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="HF directory, .gguf file, or qwen3-8b | qwen3-0.6b | llama-3.1-8b (with --load-format dummy); "
                         "default: the embedded SmolLM2-135M-Instruct")
     g.add_argument("--load-format", default=ENGINE_DEFAULTS.load_format, choices=["auto", "dummy"])
+    g.add_argument("--tokenizer", default=ENGINE_DEFAULTS.tokenizer,
+                   help="another tokenizer than the model's: an HF directory or a .gguf file (a random-weight "
+                        "model has none of its own)")
     g.add_argument("--dtype", default=ENGINE_DEFAULTS.dtype)
     g.add_argument("--device", default=ENGINE_DEFAULTS.device)
     g.add_argument("--seed", type=int, default=ENGINE_DEFAULTS.seed)
@@ -145,7 +148,8 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
                   shortlist=args.shortlist, host_kv_gb=args.host_kv_gb, prefill_keep_tokens=args.prefill_keep_tokens,
                   working_set=args.working_set,
                   fetch_cap=args.fetch_cap, draft=draft, draft_model=draft_model, miss_policy=args.miss_policy)
-    return EngineConfig(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
+    return EngineConfig(model=args.model, load_format=args.load_format, tokenizer=getattr(args, "tokenizer", None),
+                        dtype=args.dtype, device=args.device,
                         seed=args.seed, tensor_parallel_size=args.tensor_parallel_size, cache=cache, kv=kv,
                         scheduler=sched, show_progress=True, enforce_eager=args.enforce_eager)
 

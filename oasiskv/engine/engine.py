@@ -95,7 +95,8 @@ class LLMEngine:
         self.device = self.tp.device if self.tp else pick_device(config.device)
         self.dtype = pick_dtype(config.dtype, self.device)
         loaded = load_model(config.model, config.load_format, self.device, self.dtype, config.seed,
-                            config.show_progress, with_tokenizer=not self.tp or self.tp.is_leader)
+                            config.show_progress, with_tokenizer=not self.tp or self.tp.is_leader,
+                            tokenizer=config.tokenizer)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_source = loaded.source
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
@@ -260,7 +261,7 @@ class LLMEngine:
             self.sampler.forget(request_id)
             req.kv_stats = self.kv_stats(request_id)
             req.finish_time = time.perf_counter()
-            req.output_text = self.tokenizer.decode(req.output_token_ids)  # as vLLM: the text so far
+            req.output_text = self.output_text(req, req.output_token_ids)  # as vLLM: the text so far
 
     def discard(self, request_ids: list[str]) -> None:
         """Abort and forget these requests: what a caller's step loop does after an error or an interrupt, so
@@ -440,7 +441,7 @@ class LLMEngine:
             req.finish_reason = "stop"
         else:  # as vLLM: the token that stopped it (EOS, a stop token) is in the ids, not in the text
             hide_last = reason == "stop" and not req.params.include_stop_str_in_output
-            req.output_text = self.tokenizer.decode(req.output_token_ids[:-1] if hide_last else req.output_token_ids)
+            req.output_text = self.output_text(req, req.output_token_ids[:-1] if hide_last else req.output_token_ids)
         return True
 
     def stop_reason(self, req: Request, token: int) -> str | None:
@@ -461,9 +462,9 @@ class LLMEngine:
             req.stop_reason = token
             return "stop"
         if p.stop and self.stop_string_near_end(req):
-            text = self.tokenizer.decode(req.output_token_ids)
+            text = self.output_text(req, req.output_token_ids)
             # as vLLM: a stop string must end after the first min_tokens tokens' text
-            start = len(self.tokenizer.decode(req.output_token_ids[:p.min_tokens])) if p.min_tokens else 0
+            start = len(self.output_text(req, req.output_token_ids[:p.min_tokens])) if p.min_tokens else 0
             found = [(i, s) for s in p.stop if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
             if found:
                 cut, stop = min(found, key=lambda f: f[0])  # the earliest; at a tie, the first in the list
@@ -481,6 +482,11 @@ class LLMEngine:
             return True
         tail = self.tokenizer.decode(req.output_token_ids[-window:])
         return any(s in tail for s in req.params.stop)
+
+    def output_text(self, req: Request, ids: list[int]) -> str:
+        """ids' text as a continuation of the request's prompt (vLLM's detokenization: a SentencePiece word's
+        leading space stays)."""
+        return self.tokenizer.decode_after(req.prompt_token_ids, ids)
 
     @property
     def eos_token_ids(self) -> set[int]:

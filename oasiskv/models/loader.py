@@ -22,6 +22,7 @@ from oasiskv.models.tokenizer import ByteTokenizer, HFTokenizer
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHIPPED_CONFIGS = ("qwen3-8b", "qwen3-0.6b", "llama-3.1-8b")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
 @dataclass
@@ -90,9 +91,13 @@ def model_config_of(model: str | None) -> ModelConfig:
 
 
 def load_model(model: str | None, load_format: str, device: torch.device, dtype: torch.dtype,
-               seed: int = 0, show_progress: bool = True, with_tokenizer: bool = True) -> LoadedModel:
-    """with_tokenizer=False (tensor-parallel ranks other than 0, which never see text): tokenizer None."""
+               seed: int = 0, show_progress: bool = True, with_tokenizer: bool = True,
+               tokenizer: str | None = None) -> LoadedModel:
+    """with_tokenizer=False (tensor-parallel ranks other than 0, which never see text): tokenizer None.
+    `tokenizer`: an HF directory or a .gguf file whose tokenizer replaces the model's (vLLM's --tokenizer)."""
     kind, location = resolve_source(model)
+    if with_tokenizer and tokenizer is not None:
+        chosen = tokenizer_from(tokenizer)  # before the weights: a wrong path costs no load
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"--load-format must be auto or dummy, got {load_format!r}")
     if kind == "shipped" and load_format != "dummy":
@@ -105,8 +110,21 @@ def load_model(model: str | None, load_format: str, device: torch.device, dtype:
         load_weights(net, gguf_tensors(location, cfg), show_progress)
     else:
         load_weights(net, safetensors_tensors(location), show_progress)
-    tokenizer = load_tokenizer(kind, location, load_format) if with_tokenizer else None
-    return LoadedModel(net.eval(), cfg, tokenizer, f"{kind}:{location}")
+    if not with_tokenizer:
+        chosen = None
+    elif tokenizer is None:
+        chosen = load_tokenizer(kind, location, load_format)
+    return LoadedModel(net.eval(), cfg, chosen, f"{kind}:{location}")
+
+
+def tokenizer_from(path: str) -> HFTokenizer:
+    """--tokenizer: a .gguf file's vocabulary, or an HF directory with tokenizer files."""
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return HFTokenizer.from_gguf(path)
+    if os.path.isdir(path) and has_tokenizer_files(path):
+        return HFTokenizer.from_dir(path)
+    raise FileNotFoundError(f"--tokenizer {path}: not a .gguf file nor a directory with tokenizer files "
+                            f"({', '.join(TOKENIZER_FILES)})")
 
 
 def load_tokenizer(kind: str, location: str, load_format: str) -> HFTokenizer | ByteTokenizer:
@@ -117,9 +135,12 @@ def load_tokenizer(kind: str, location: str, load_format: str) -> HFTokenizer | 
     return dir_tokenizer(location)
 
 
+def has_tokenizer_files(directory: str) -> bool:
+    return any(os.path.isfile(os.path.join(directory, n)) for n in TOKENIZER_FILES)
+
+
 def dir_tokenizer(directory: str) -> HFTokenizer | ByteTokenizer:
-    names = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-    if any(os.path.isfile(os.path.join(directory, n)) for n in names):
+    if has_tokenizer_files(directory):
         return HFTokenizer.from_dir(directory)
     warnings.warn(f"{directory} has no tokenizer files: text is read and shown as UTF-8 bytes (ids 0..255)")
     return ByteTokenizer()

@@ -5,6 +5,8 @@ import functools
 import os
 from typing import Sequence
 
+PRIMING_TOKENS = (4, 24)  # how many prompt tokens an output is decoded after (HFTokenizer.prompt_suffix)
+
 
 class HFTokenizer:
     def __init__(self, hf_tokenizer):
@@ -34,6 +36,29 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)
+
+    def decode_after(self, prompt_ids: Sequence[int], ids: Sequence[int]) -> str:
+        """The text of ids as a continuation of the prompt, as vLLM's incremental detokenizer gives it: decoded
+        after the prompt's last tokens, whose own text is then cut off. Decoded alone, a SentencePiece token's
+        word-start marker at the beginning is dropped (" Paris" came out "Paris"); byte-level BPE gives the same
+        text either way."""
+        context = self.prompt_suffix(prompt_ids)
+        if not context:
+            return self.decode(ids)
+        before = self.decode(context)
+        whole = self.decode(list(context) + list(ids))
+        return whole[len(before):] if whole.startswith(before) else self.decode(ids)
+
+    def prompt_suffix(self, prompt_ids: Sequence[int]) -> list[int]:
+        """The prompt's last 4 to 24 tokens, the fewest that start on a whole character (vLLM's priming of its
+        decode stream); all of a shorter prompt."""
+        ids = list(prompt_ids)
+        if len(ids) <= PRIMING_TOKENS[0]:
+            return ids
+        for n in range(PRIMING_TOKENS[0], min(len(ids), PRIMING_TOKENS[1]) + 1):
+            if "\ufffd" not in self.decode(ids[-n:]):
+                return ids[-n:]
+        return ids[-PRIMING_TOKENS[0]:]
 
     def apply_chat_template(self, messages: list[dict], chat_template: str | None = None,
                             add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -71,6 +96,9 @@ class ByteTokenizer:
             out.append(f"<{i}>")
         out.append(pending.decode("utf-8", errors="replace"))
         return "".join(out)
+
+    def decode_after(self, prompt_ids: Sequence[int], ids: Sequence[int]) -> str:
+        return self.decode(ids)  # bytes: no token's text depends on what comes before it
 
     def apply_chat_template(self, messages: list[dict], chat_template: str | None = None,
                             add_generation_prompt: bool = True, continue_final_message: bool = False,

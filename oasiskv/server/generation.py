@@ -16,8 +16,8 @@ class Submission:
     """The engine requests of one HTTP request (prompts x n choices) and their shared output queue.
     close() aborts whatever has not finished: call it in a finally block."""
 
-    def __init__(self, loop: EngineLoop, request_ids: list[str], queue: asyncio.Queue):
-        self.loop, self.request_ids, self.queue = loop, request_ids, queue
+    def __init__(self, loop: EngineLoop, request_ids: list[str], queue: asyncio.Queue, prompts: list[list[int]]):
+        self.loop, self.request_ids, self.queue, self.prompts = loop, request_ids, queue, prompts
         self.pending = set(range(len(request_ids)))
 
     @classmethod
@@ -29,7 +29,7 @@ class Submission:
         except ValueError as e:  # refused; a request that may fit later (a decode instance's room) is a 503
             status = 503 if getattr(e, "retry_later", False) else 400
             raise APIError(str(e), status=status, param=prompt_param if status == 400 else None) from e
-        return cls(loop, ids, queue)
+        return cls(loop, ids, queue, prompts)
 
     async def outputs(self) -> AsyncIterator[tuple[int, Output]]:
         while self.pending:
@@ -62,15 +62,15 @@ class TextStream:
     character at the end, and the last len(stop) - 1 characters while stop strings are set (the
     engine cuts a stop string off only once it is complete)."""
 
-    def __init__(self, tokenizer, params: SamplingParams):
-        self.tokenizer, self.params = tokenizer, params
+    def __init__(self, tokenizer, params: SamplingParams, prompt_ids: list[int]):
+        self.tokenizer, self.params, self.prompt_ids = tokenizer, params, prompt_ids
         self.holdback = max((len(s) for s in params.stop or ()), default=1) - 1
         self.ids: list[int] = []
         self.sent = 0
 
     def push(self, token_ids: list[int]) -> str:
         self.ids += token_ids
-        text = self.tokenizer.decode(self.ids)
+        text = self.tokenizer.decode_after(self.prompt_ids, self.ids)
         safe = len(text) - self.holdback - (1 if text.endswith("\ufffd") else 0)
         delta = text[self.sent:safe] if safe > self.sent else ""
         self.sent += len(delta)
@@ -79,7 +79,7 @@ class TextStream:
     def finish(self, token_ids: list[int], out: Output) -> tuple[str, str | int | None]:
         """The last delta (from the engine's final text) and vLLM's stop_reason."""
         self.ids += token_ids
-        full = self.tokenizer.decode(self.ids)
+        full = self.tokenizer.decode_after(self.prompt_ids, self.ids)
         final = full if out.text is None or out.finish_reason == "abort" else out.text
         delta, self.sent = final[self.sent:], len(final)
         # the engine's own: the stop string it cut the text at (the earliest), the stop token; None for EOS
@@ -99,7 +99,7 @@ class Choice:
 
 async def choice_deltas(sub: Submission, tokenizer, params: list[SamplingParams]) -> AsyncIterator[ChoiceDelta]:
     """Text deltas of every choice as the engine produces them; aborts the rest if abandoned."""
-    streams = [TextStream(tokenizer, p) for p in params]
+    streams = [TextStream(tokenizer, p, prompt) for p, prompt in zip(params, sub.prompts)]
     try:
         async for index, out in sub.outputs():
             s = streams[index]

@@ -1,0 +1,84 @@
+"""Output text as a continuation of the prompt (vLLM's incremental detokenization). A SentencePiece-style tokenizer
+(Metaspace: a word-start marker for the space) drops the marker of the first token it decodes, so an output decoded
+alone lost its leading space (" Paris" came out "Paris"). The reference is the transformers tokenizer's own text of
+prompt + output, less the prompt's text; byte-level BPE (the embedded model's) gives the same text both ways."""
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from oasiskv.config import SamplingParams
+from oasiskv.models.tokenizer import HFTokenizer
+from oasiskv.server.generation import TextStream
+from tests.helpers import write_tiny_config
+
+VOCAB = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"\u2581w{i}": i for i in range(3, 512)}}  # the tiny model's 512
+
+
+def metaspace_tokenizer() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.WordLevel(VOCAB, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def reference(hf, prompt: list[int], ids: list[int]) -> str:
+    before = hf.decode(prompt, skip_special_tokens=True)
+    whole = hf.decode(prompt + ids, skip_special_tokens=True)
+    assert whole.startswith(before)
+    return whole[len(before):]
+
+
+def test_a_word_start_marker_survives_after_the_prompt():
+    hf = metaspace_tokenizer()
+    assert hf.decode([7]) == "w7" and hf.decode([5, 7]) == "w5 w7"  # what decoding alone loses
+    tok = HFTokenizer(hf)
+    prompt = [1, 3, 4, 5, 6, 9, 10]
+    assert tok.decode_after(prompt, [7, 8]) == reference(hf, prompt, [7, 8]) == " w7 w8"
+    assert tok.decode_after([1], [7]) == "w7"  # after BOS alone nothing precedes the word: vLLM's text too
+    assert tok.decode_after(prompt, []) == ""
+
+
+def test_byte_level_bpe_text_is_the_same_either_way(smollm_hf_tokenizer):
+    tok = HFTokenizer(smollm_hf_tokenizer)
+    prompt = smollm_hf_tokenizer.encode("The capital of France is")
+    for text in (" Paris, a city of 2 million.", "\n\nIt is Paris", " caf\u00e9 \u2014 na\u00efve"):
+        ids = smollm_hf_tokenizer.encode(text, add_special_tokens=False)
+        assert tok.decode_after(prompt, ids) == tok.decode(ids) == reference(smollm_hf_tokenizer, prompt, ids)
+
+
+@pytest.fixture
+def tiny_with_metaspace(tmp_path):
+    model = write_tiny_config(tmp_path / "model")
+    metaspace_tokenizer().save_pretrained(tmp_path / "tok")
+    return model, str(tmp_path / "tok")
+
+
+def test_generate_and_the_server_stream_give_the_leading_space(tiny_with_metaspace):
+    from oasiskv.api import LLM
+
+    model, tok_dir = tiny_with_metaspace
+    llm = LLM(model=model, tokenizer=tok_dir, load_format="dummy", show_progress=False, kv_cache_gb=0.01)
+    hf = llm.get_tokenizer()
+    prompt = [1, 3, 4, 5, 6, 9]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logit_bias={7: 100.0})  # w7 each step
+    out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert list(out.token_ids) == [7, 7, 7]
+    assert out.text == reference(hf, prompt, [7, 7, 7]) == " w7 w7 w7"
+    stream = TextStream(llm.llm_engine.tokenizer, params, prompt)
+    pieces = [stream.push([t]) for t in out.token_ids[:-1]]
+    last, _ = stream.finish(out.token_ids[-1:], type("Out", (), {"text": out.text, "finish_reason": "length",
+                                                                  "stop_reason": None})())
+    assert "".join(pieces) + last == out.text
+
+
+def test_a_tokenizer_path_without_a_tokenizer_is_a_clear_error_before_any_weights(tmp_path, monkeypatch):
+    from oasiskv.api import LLM
+    from oasiskv.models import loader
+
+    monkeypatch.setattr(loader, "empty_model", lambda *a: pytest.fail("built the model first"))
+    model = write_tiny_config(tmp_path / "model")
+    for path in (tmp_path / "missing", tmp_path / "model"):  # no such path; a directory with a config only
+        with pytest.raises(FileNotFoundError, match=f"--tokenizer {path}: not a .gguf file nor a directory with"):
+            LLM(model=model, tokenizer=str(path), load_format="dummy", show_progress=False, kv_cache_gb=0.01)
