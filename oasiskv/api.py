@@ -168,6 +168,10 @@ class LLM:
         """Stops the engine's tensor-parallel ranks now, not at garbage collection (a new one can then start)."""
         self.engine.close()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the model's generation_config.json values (--generation-config), else SamplingParams()."""
+        return SamplingParams(**self.engine.generation.sampling)
+
     def get_tokenizer(self):
         """vLLM's: the transformers tokenizer (apply_chat_template(..., tokenize=False), __call__, decode(...));
         a random-weight model's byte tokenizer where it has none."""
@@ -190,7 +194,7 @@ class LLM:
         if not isinstance(prompts, (list, tuple)):
             raise ValueError("prompts: a string, a list of token ids, or a list of either; got "
                              f"{type(prompts).__name__}")
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")

@@ -22,6 +22,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="HF directory, .gguf file, or qwen3-8b | qwen3-0.6b | llama-3.1-8b (with --load-format dummy); "
                         "default: the embedded SmolLM2-135M-Instruct")
     g.add_argument("--load-format", default=ENGINE_DEFAULTS.load_format, choices=["auto", "dummy"])
+    g.add_argument("--generation-config", default=ENGINE_DEFAULTS.generation_config,
+                   help="default sampling params: auto (the model directory's generation_config.json, if any), "
+                        "vllm (the neutral ones), or a directory holding a generation_config.json")
     g.add_argument("--tokenizer", default=ENGINE_DEFAULTS.tokenizer,
                    help="another tokenizer than the model's: an HF directory or a .gguf file (a random-weight "
                         "model has none of its own)")
@@ -149,6 +152,7 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
                   working_set=args.working_set,
                   fetch_cap=args.fetch_cap, draft=draft, draft_model=draft_model, miss_policy=args.miss_policy)
     return EngineConfig(model=args.model, load_format=args.load_format, tokenizer=getattr(args, "tokenizer", None),
+                        generation_config=getattr(args, "generation_config", ENGINE_DEFAULTS.generation_config),
                         dtype=args.dtype, device=args.device,
                         seed=args.seed, tensor_parallel_size=args.tensor_parallel_size, cache=cache, kv=kv,
                         scheduler=sched, show_progress=True, enforce_eager=args.enforce_eager)

@@ -410,7 +410,8 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0  # seeds dummy weights and unseeded sampling
     tensor_parallel_size: int = 1  # ranks: processes (one GPU each) sharing the model and the KV heads
-    tokenizer: str | None = None
+    tokenizer: str | None = None  # another tokenizer than the model's: an HF directory or a .gguf file
+    generation_config: str = "auto"  # default sampling params: auto (the model's generation_config.json) | vllm | DIR
     cache: CacheConfig = field(default_factory=CacheConfig)
     kv: KVConfig = field(default_factory=KVConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import itertools
 import reprlib
+import sys
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -27,7 +28,8 @@ from oasiskv.kv.gpu_pool import bytes_per_block, plan_num_blocks
 from oasiskv.lookahead.base import DraftChunk
 from oasiskv.lookahead.factory import build_draft_source
 from oasiskv.policies.factory import build_kv
-from oasiskv.models.loader import load_model
+from oasiskv.models.generation_config import generation_defaults
+from oasiskv.models.loader import load_model, resolve_source
 from oasiskv.policies.dense import causal_attention
 
 # a stop string the last token completes lies in the text of this many last tokens (or 8 per character of the
@@ -98,6 +100,10 @@ class LLMEngine:
                             config.show_progress, with_tokenizer=not self.tp or self.tp.is_leader,
                             tokenizer=config.tokenizer)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        self.generation = generation_defaults(config.generation_config, *resolve_source(config.model))
+        if self.generation.sampling and config.show_progress and (not self.tp or self.tp.is_leader):
+            print(f"[oasiskv] default sampling params from {self.generation.source}: {self.generation.sampling} "
+                  f"(--generation-config vllm for the neutral ones)", file=sys.stderr)
         self.model_source = loaded.source
         self.max_model_len = config.scheduler.max_model_len or self.model_config.max_position_embeddings
         if self.max_model_len > self.model_config.max_position_embeddings:  # vLLM refuses it too
@@ -490,7 +496,8 @@ class LLMEngine:
 
     @property
     def eos_token_ids(self) -> set[int]:
-        return set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+        return (set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+                | set(self.generation.eos_token_ids))
 
     def pop_finished(self, request_id: str) -> Request:
         return self.requests.pop(request_id)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from fastapi.responses import Response
 
 from oasiskv.server.generation import Choice, Submission
-from oasiskv.server.job import GenerationJob, check_context, sampling_params
+from oasiskv.server.job import GenerationJob, check_context, max_tokens_of, sampling_params
 from oasiskv.server.logprobs import chat_logprobs
 from oasiskv.server.protocol import APIError, ChatCompletionRequest
 
@@ -39,8 +39,8 @@ class ChatJob(GenerationJob):
         self.num_prompt_tokens = len(self.prompt)
         requested = body.max_completion_tokens or body.max_tokens
         check_context(len(self.prompt), requested, state.max_model_len, "messages")
-        max_tokens = requested or state.max_model_len - len(self.prompt)
-        self.params = [sampling_params(body, max_tokens, i) for i in range(body.n)]
+        max_tokens = max_tokens_of(state, len(self.prompt), requested)
+        self.params = [sampling_params(body, max_tokens, i, state.sampling_defaults) for i in range(body.n)]
         self.top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         last = body.messages[-1]  # vLLM's echo: the last message leads the answer where it is the assistant's
         self.echo = last.text() if body.echo and last.role == "assistant" else ""

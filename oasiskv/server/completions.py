@@ -5,7 +5,8 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from oasiskv.server.generation import Choice, Submission
-from oasiskv.server.job import GenerationJob, check_context, check_token_ids, encode_text, sampling_params
+from oasiskv.server.job import (GenerationJob, check_context, check_token_ids, encode_text, max_tokens_of,
+                               sampling_params)
 from oasiskv.server.logprobs import CompletionLogprobs
 from oasiskv.server.protocol import APIError, CompletionRequest, sse
 
@@ -54,8 +55,9 @@ class CompletionJob(GenerationJob):
         self.num_prompt_tokens = sum(len(ids) for _, ids in self.prompts)
         for _, ids in self.prompts:
             check_context(len(ids), body.max_tokens, state.max_model_len, "prompt")
-            max_tokens = state.max_model_len - len(ids) if body.max_tokens is None else body.max_tokens
-            self.params += [sampling_params(body, max(max_tokens, 1), i) for i in range(self.n)]
+            max_tokens = max_tokens_of(state, len(ids), body.max_tokens)
+            self.params += [sampling_params(body, max(max_tokens, 1), i, state.sampling_defaults)
+                            for i in range(self.n)]
         self.formatters = [CompletionLogprobs(self.token_str) for _ in self.params]
         self.echoes: list[tuple[str, list]] | None = None
 

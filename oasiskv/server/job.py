@@ -14,21 +14,33 @@ from oasiskv.server.protocol import (UNSUPPORTED_FIELDS, APIError, SamplingField
                                      usage)
 
 
-def sampling_params(body: SamplingFields, max_tokens: int, choice: int) -> SamplingParams:
-    """vLLM's defaults and conventions: top_k 0 or -1 is off; seed -1 is no seed; choice i of n > 1 is seeded
-    seed + i."""
+NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+def sampling_params(body: SamplingFields, max_tokens: int, choice: int, defaults: dict | None = None) -> SamplingParams:
+    """vLLM's defaults and conventions: a field the request leaves out takes the model's default (its
+    generation_config.json: `defaults`), else the neutral value; top_k 0 or -1 is off; seed -1 is no seed;
+    choice i of n > 1 is seeded seed + i."""
     stop = [s for s in ([body.stop] if isinstance(body.stop, str) else body.stop or []) if s]
+    given = {name: getattr(body, name) for name in NEUTRAL if getattr(body, name) is not None}
+    chosen = {**NEUTRAL, **{k: v for k, v in (defaults or {}).items() if k in NEUTRAL}, **given}
     try:
         return SamplingParams(
-            max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if not body.top_k else body.top_k,
+            max_tokens=max_tokens, temperature=chosen["temperature"], top_p=chosen["top_p"],
+            top_k=chosen["top_k"] or -1, min_p=chosen["min_p"], repetition_penalty=chosen["repetition_penalty"],
             seed=None if body.seed in (None, -1) else body.seed + choice, stop=stop or None,
             stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-            min_tokens=body.min_tokens, min_p=body.min_p, logit_bias=body.logit_bias or None,
+            frequency_penalty=body.frequency_penalty, min_tokens=body.min_tokens, logit_bias=body.logit_bias or None,
             include_stop_str_in_output=body.include_stop_str_in_output)
     except ValueError as e:
         raise APIError(str(e), param=field_named(str(e))) from e
+
+
+def max_tokens_of(state, num_prompt_tokens: int, requested: int | None) -> int:
+    """vLLM's: the least of what the context leaves, the request's max_tokens and the model's max_new_tokens (its
+    generation_config.json), each where given."""
+    limits = (state.max_model_len - num_prompt_tokens, requested, state.sampling_defaults.get("max_tokens"))
+    return min(n for n in limits if n is not None)
 
 
 def field_named(message: str) -> str | None:

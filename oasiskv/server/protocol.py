@@ -92,9 +92,9 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(1.0, gt=0)
+    repetition_penalty: float | None = Field(None, gt=0)  # None: the model's default (job.sampling_params)
     min_tokens: int = Field(0, ge=0)
-    min_p: float = Field(0.0, ge=0, le=1)
+    min_p: float | None = Field(None, ge=0, le=1)
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None  # OpenAI's: token ids (as strings) to biases in [-100, 100]
     stream: bool = False
