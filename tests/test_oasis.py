@@ -408,13 +408,16 @@ def test_a_layers_first_sparse_step_judges_no_agreement():
     assert all(judged[n] > 0 for n in judged if n > budget + 1)
 
 
+@pytest.mark.parametrize("shortlist", [0.0, 2.0])
 @pytest.mark.parametrize("mode", ["quest", "retrieval", "oasis"])
-def test_only_layers_that_select_count_selected_blocks(tmp_path, mode):
+def test_only_layers_that_select_count_selected_blocks(tmp_path, mode, shortlist):
     """A layer whose budget covers the step's context attends to every block and selects none: retrieval and oasis
     counted its blocks as selected (and as hits once resident), quest never did, so on short contexts their hit rates
-    leaned high and the modes' counts differed. Counted here by hand from each decode step's context lengths."""
+    leaned high and the modes' counts differed. With a list (--shortlist 2) retrieval counted the whole list, oasis the
+    final selection; now both count the selection. Counted here by hand from each decode step's context lengths."""
     budgets = [6, 3, 3]  # blocks per layer: layer 0 weighs 2 of the 3 layers x 4 blocks of --kv-budget 64
-    engine = tiny_engine(tmp_path, mode, layer_weights=((0, 2.0),), **({"fetch_cap": 0.5} if mode == "oasis" else {}))
+    engine = tiny_engine(tmp_path, mode, layer_weights=((0, 2.0),), shortlist=shortlist,
+                         **({"fetch_cap": 0.5} if mode == "oasis" else {}))
     assert engine.policy.layer_budget_blocks == budgets
     lengths, begin = [], engine.policy.begin_step
 

@@ -318,7 +318,7 @@ class TieredPolicy(SparsePolicy):
 
     def selection_or_list(self, layer, q) -> torch.Tensor:
         """The blocks to make resident: the selection, or with --shortlist the list (its best shortlist x budget
-        blocks by score; its counters then count the list)."""
+        blocks by score)."""
         if not self.cfg.shortlist:
             return self.select(layer, q, self.meta.decode_block_tables)[1]
         scores = self.score_blocks(layer, q, self.meta.decode_block_tables, self.rows_now.nblocks)
@@ -368,6 +368,21 @@ class TieredPolicy(SparsePolicy):
 class RetrievalPolicy(TieredPolicy):
     name = "retrieval"
 
+    def count_selection(self, chosen: torch.Tensor, missed: torch.Tensor) -> None:
+        self.count("selected_blocks", chosen)
+        self.count("misses", missed)
+        self.count("hits", chosen & ~missed)
+
+    @staticmethod
+    def selected_from_list(selection, listed, missed, width) -> tuple[torch.Tensor, torch.Tensor]:
+        """With --shortlist, the final selection's blocks and which of them the list's fetch brought (misses), as
+        oasis counts a list: the counts then compare across modes (the whole list was counted before)."""
+        was_missing = torch.zeros(selection.shape[0], width + 1, dtype=torch.bool, device=selection.device)
+        sink = torch.full_like(listed, width)  # column `width` takes the entries that are not misses
+        was_missing.scatter_(1, torch.where(missed & (listed >= 0), listed, sink).long(), True)
+        chosen = selection >= 0
+        return chosen, chosen & was_missing.gather(1, torch.where(chosen, selection, width).long())
+
     def decode(self, layer, q, k, v, out) -> None:
         nd = self.meta.num_decode
         q, k, v = q[:nd], k[:nd], v[:nd]
@@ -382,15 +397,14 @@ class RetrievalPolicy(TieredPolicy):
             selection = wanted
         with self.timer("gather"):
             miss, _ = self.fetch(layer, wanted, self.mask_of(wanted))
-        if selection is not None:  # a dense layer selects nothing: as in quest, none of its blocks count
-            self.count("selected_blocks", wanted >= 0)
-            self.count("misses", miss)
-            self.count("hits", (wanted >= 0) & ~miss)
+        if selection is not None and not self.cfg.shortlist:  # a dense layer selects nothing: none of its blocks
+            self.count_selection(wanted >= 0, miss)              # count, as in quest
         tables = self.ws.table(layer, self.rows, width)
         if self.cfg.shortlist and selection is not None:  # the list is resident: its exact mass picks the budget
             with self.timer("select"):
                 ranked = self.rank_the_list(layer, q, wanted, tables, width)
                 _, selection = self.select_by(ranked, self.layer_budget_blocks[layer])
+            self.count_selection(*self.selected_from_list(selection, wanted, miss, width))
         with self.timer("attention"):
             out[:nd] = self.attention(q, self.pool.layer(layer), tables, selection)
         self.spill_full_tails(layer, tail_slots)
