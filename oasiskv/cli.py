@@ -158,33 +158,43 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
                         scheduler=sched, show_progress=True, enforce_eager=args.enforce_eager)
 
 
+# flags left out take the model's generation_config.json values (--generation-config), else SamplingParams' own
+MODEL_DEFAULTABLE = ("max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "min_p")
+
+
+def model_default(name: str) -> str:
+    return f"default: the model's generation config, else {getattr(SAMPLING_DEFAULTS, name)}"
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=SAMPLING_DEFAULTS.max_tokens)
-    g.add_argument("--temperature", type=float, default=SAMPLING_DEFAULTS.temperature)
-    g.add_argument("--top-p", type=float, default=SAMPLING_DEFAULTS.top_p)
-    g.add_argument("--top-k", type=int, default=SAMPLING_DEFAULTS.top_k)
+    g.add_argument("--max-tokens", type=int, default=None, help=model_default("max_tokens"))
+    g.add_argument("--temperature", type=float, default=None, help=model_default("temperature"))
+    g.add_argument("--top-p", type=float, default=None, help=model_default("top_p"))
+    g.add_argument("--top-k", type=int, default=None, help=model_default("top_k"))
     g.add_argument("--sampling-seed", type=int, default=SAMPLING_DEFAULTS.seed,
                    help="seed of this request's sampler (default: drawn from the engine's --seed)")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--repetition-penalty", type=float, default=SAMPLING_DEFAULTS.repetition_penalty,
-                   help="above 1 discourages the prompt's and output's tokens (transformers' rule)")
+    g.add_argument("--repetition-penalty", type=float, default=None,
+                   help="above 1 discourages the prompt's and output's tokens (transformers' rule; "
+                        f"{model_default('repetition_penalty')})")
     g.add_argument("--presence-penalty", type=float, default=SAMPLING_DEFAULTS.presence_penalty)
     g.add_argument("--frequency-penalty", type=float, default=SAMPLING_DEFAULTS.frequency_penalty)
-    g.add_argument("--min-p", type=float, default=SAMPLING_DEFAULTS.min_p,
-                   help="drop tokens below this share of the top token's probability")
+    g.add_argument("--min-p", type=float, default=None,
+                   help=f"drop tokens below this share of the top token's probability ({model_default('min_p')})")
     g.add_argument("--min-tokens", type=int, default=SAMPLING_DEFAULTS.min_tokens,
                    help="no EOS, stop token or stop string before this many tokens")
 
 
-def sampling_params(args: argparse.Namespace) -> SamplingParams:
+def sampling_params(args: argparse.Namespace, model_defaults: dict | None = None) -> SamplingParams:
+    """The flags' params; those left out take model_defaults (LLMEngine.generation.sampling), else SamplingParams'
+    own. Called once before the weights load (bad flags fail then), and again with the model's defaults."""
+    given = {name: getattr(args, name) for name in MODEL_DEFAULTABLE if getattr(args, name) is not None}
     try:
-        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                              top_k=args.top_k, seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos,
-                              presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                              repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens,
-                              min_p=args.min_p)
+        return SamplingParams(**{**(model_defaults or {}), **given}, seed=args.sampling_seed, stop=args.stop,
+                              ignore_eos=args.ignore_eos, presence_penalty=args.presence_penalty,
+                              frequency_penalty=args.frequency_penalty, min_tokens=args.min_tokens)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
 
@@ -215,7 +225,7 @@ def build_llm(args):
 
 
 def cmd_generate(args) -> None:
-    params = sampling_params(args)
+    sampling_params(args)  # the flags checked before the weights load
     prompt = args.prompt
     if args.prompt_file:  # read before the weights load: a wrong path should not wait for them
         try:
@@ -224,6 +234,7 @@ def cmd_generate(args) -> None:
         except (OSError, UnicodeDecodeError) as e:
             raise SystemExit(f"error: cannot read --prompt-file: {e}")
     llm = build_llm(args)
+    params = sampling_params(args, llm.engine.generation.sampling)
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     try:
@@ -242,8 +253,9 @@ def cmd_generate(args) -> None:
 
 
 def cmd_chat(args) -> None:
-    params = sampling_params(args)
+    sampling_params(args)
     llm = build_llm(args)
+    params = sampling_params(args, llm.engine.generation.sampling)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("chat with the model; an empty line or Ctrl-D ends it", file=sys.stderr)
     while True:

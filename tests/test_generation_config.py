@@ -77,3 +77,14 @@ def test_the_server_caps_max_tokens_at_the_models_max_new_tokens(tmp_path):
         chat = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0, "ignore_eos": True}
         done = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60).json()  # no max_tokens: the room
         assert done["usage"]["completion_tokens"] == 5
+
+
+@pytest.mark.parametrize("flags, expected", [([], 5), (["--max-tokens", "3"], 3), (["--generation-config", "vllm"], 16)])
+def test_the_generate_command_takes_the_models_defaults_for_flags_left_out(tmp_path, capsys, flags, expected):
+    from oasiskv.cli import main
+
+    model = model_with(tmp_path, {"max_new_tokens": 5, "temperature": 0.0})
+    main(["generate", "--model", model, "--load-format", "dummy", "--prompt", "hi", "--ignore-eos", "--json",
+          "--kv-cache-gb", "0.01", *flags])
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["stats"]["output_tokens"] == expected
