@@ -22,20 +22,33 @@ PROMPTS = [ALICE, "The numbers are " + ", ".join(str(i) for i in range(40)), "de
            "The three laws of motion state that"]
 
 
-def generate(mode: str, budget: int, **kw) -> list[list[int]]:
+def generate(mode: str, budget: int, **kw) -> tuple[list[list[int]], LLMEngine]:
+    tokens, _, engine = generate_with_logprobs(mode, budget, **kw)
+    return tokens, engine
+
+
+def generate_with_logprobs(mode: str, budget: int, **kw):
+    """(tokens, the sampled tokens' log-probabilities, the engine) of greedy continuations of PROMPTS."""
     llm = LLM(show_progress=False, kv_mode=mode, kv_budget=budget, sink_blocks=1, local_blocks=1, **kw)
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs], llm.engine
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    outs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    logprobs = [[d[t].logprob for d, t in zip(o.logprobs, o.token_ids)] for o in outs]
+    return [o.token_ids for o in outs], logprobs, llm.engine
 
 
 @pytest.mark.slow
 def test_budget_above_context_equals_dense_even_across_preemption():
+    """Tokens as dense's without preemption; log-probabilities as dense's under the same preemptions, to the bit
+    (a recompute prefills the generated tokens again, so both differ from an unpreempted run in rounding alone)."""
     tight = dict(num_kv_blocks=14, max_num_batched_tokens=32)  # forces chunked prefill and preemption
     dense, _ = generate("dense", 2048, kv_cache_gb=0.2)
+    dense_tight, dense_logprobs, _ = generate_with_logprobs("dense", 2048, **tight)
+    assert dense_tight == dense
     for mode in ("quest", "retrieval"):
-        tokens, engine = generate(mode, 2048, **tight)
+        tokens, logprobs, engine = generate_with_logprobs(mode, 2048, **tight)
         assert engine.stats.preemptions > 0, mode
         assert tokens == dense, mode
+        assert logprobs == dense_logprobs, mode
 
 
 @pytest.mark.slow
