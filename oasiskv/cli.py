@@ -9,6 +9,7 @@ import sys
 from oasiskv.config import (BLOCK_SCORES, DRAFTS, KV_MODES, KV_TRANSFERS, MISS_POLICIES, ROLES, SCHEDULE_POLICIES,
                             SELECT_PER, CacheConfig, DisaggConfig, EngineConfig, KVConfig, SamplingParams,
                             SchedulerConfig, draft_of_speculative_config)
+from oasiskv.models.generation_config import DEFAULTED  # flags left out take the model's values, then these
 
 ENGINE_DEFAULTS, CACHE_DEFAULTS, SCHED_DEFAULTS, KV_DEFAULTS = (EngineConfig(), CacheConfig(), SchedulerConfig(),
                                                                 KVConfig())
@@ -158,10 +159,6 @@ def build_engine_config(args: argparse.Namespace) -> EngineConfig:
                         scheduler=sched, show_progress=True, enforce_eager=args.enforce_eager)
 
 
-# flags left out take the model's generation_config.json values (--generation-config), else SamplingParams' own
-MODEL_DEFAULTABLE = ("max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "min_p")
-
-
 def model_default(name: str) -> str:
     return f"default: the model's generation config, else {getattr(SAMPLING_DEFAULTS, name)}"
 
@@ -190,7 +187,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def sampling_params(args: argparse.Namespace, model_defaults: dict | None = None) -> SamplingParams:
     """The flags' params; those left out take model_defaults (LLMEngine.generation.sampling), else SamplingParams'
     own. Called once before the weights load (bad flags fail then), and again with the model's defaults."""
-    given = {name: getattr(args, name) for name in MODEL_DEFAULTABLE if getattr(args, name) is not None}
+    given = {name: getattr(args, name) for name in DEFAULTED if getattr(args, name) is not None}
     try:
         return SamplingParams(**{**(model_defaults or {}), **given}, seed=args.sampling_seed, stop=args.stop,
                               ignore_eos=args.ignore_eos, presence_penalty=args.presence_penalty,

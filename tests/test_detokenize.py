@@ -35,9 +35,11 @@ def test_a_word_start_marker_survives_after_the_prompt():
     assert hf.decode([7]) == "w7" and hf.decode([5, 7]) == "w5 w7"  # what decoding alone loses
     tok = HFTokenizer(hf)
     prompt = [1, 3, 4, 5, 6, 9, 10]
-    assert tok.decode_after(prompt, [7, 8]) == reference(hf, prompt, [7, 8]) == " w7 w8"
-    assert tok.decode_after([1], [7]) == "w7"  # after BOS alone nothing precedes the word: vLLM's text too
-    assert tok.decode_after(prompt, []) == ""
+    context = tok.text_context(prompt)
+    assert context == prompt[-4:]  # the fewest last tokens (4) whose text is whole
+    assert tok.decode_after(context, [7, 8]) == reference(hf, prompt, [7, 8]) == " w7 w8"
+    assert tok.decode_after(tok.text_context([1]), [7]) == "w7"  # after BOS alone nothing precedes the word
+    assert tok.decode_after(context, []) == ""
 
 
 def test_byte_level_bpe_text_is_the_same_either_way(smollm_hf_tokenizer):
@@ -45,7 +47,8 @@ def test_byte_level_bpe_text_is_the_same_either_way(smollm_hf_tokenizer):
     prompt = smollm_hf_tokenizer.encode("The capital of France is")
     for text in (" Paris, a city of 2 million.", "\n\nIt is Paris", " caf\u00e9 \u2014 na\u00efve"):
         ids = smollm_hf_tokenizer.encode(text, add_special_tokens=False)
-        assert tok.decode_after(prompt, ids) == tok.decode(ids) == reference(smollm_hf_tokenizer, prompt, ids)
+        assert tok.decode_after(tok.text_context(prompt), ids) == tok.decode(ids) \
+            == reference(smollm_hf_tokenizer, prompt, ids)
 
 
 @pytest.fixture

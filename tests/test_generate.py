@@ -83,7 +83,7 @@ def test_stop_strings_and_max_tokens(smollm_llm):
 def test_a_stop_string_far_into_a_long_output(smollm_llm, smollm_hf_tokenizer):
     """Past the engine's window of last tokens (STOP_WINDOW_TOKENS), the output is no longer decoded whole each step:
     the cut must still fall at the stop string's first occurrence in the whole text (the brute force)."""
-    from oasiskv.engine.engine import STOP_WINDOW_TOKENS
+    from oasiskv.engine.stopping import STOP_WINDOW_TOKENS
 
     prompt = "Count with me: 1, 2, 3, 4, 5,"
     free = smollm_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=160, ignore_eos=True),

@@ -35,8 +35,13 @@ def test_the_model_files_values_are_the_default_sampling_params(tmp_path):
     params = llm.get_default_sampling_params()
     assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.6, 0.95, 20, 5)
     assert {2, 9} <= llm.llm_engine.eos_token_ids
-    out = llm.generate([[5, 6, 7]], use_tqdm=False)[0].outputs[0]  # no params: the model's
-    assert len(out.token_ids) == 5 or out.token_ids[-1] in (2, 9)
+    out = llm.generate([[5, 6, 7]], use_tqdm=False)[0].outputs[0]  # no params: the model's (16 tokens otherwise)
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"  # (these weights emit no EOS in 5 tokens)
+    nine = SamplingParams(max_tokens=5, logit_bias={9: 100.0})  # token 9 each step: the file's EOS, not config.json's
+    stopped = llm.generate([[5, 6, 7]], nine, use_tqdm=False)[0].outputs[0]
+    assert (list(stopped.token_ids), stopped.finish_reason) == ([9], "stop")
+    plain = tiny_llm(model_with(tmp_path / "plain", None)).generate([[5, 6, 7]], nine, use_tqdm=False)[0].outputs[0]
+    assert (list(plain.token_ids), plain.finish_reason) == ([9] * 5, "length")
 
 
 def test_vllm_ignores_the_file_and_a_directory_names_another(tmp_path):
@@ -49,7 +54,10 @@ def test_vllm_ignores_the_file_and_a_directory_names_another(tmp_path):
     assert tiny_llm(model_with(tmp_path / "plain", None)).get_default_sampling_params() == SamplingParams()
 
 
-def test_a_missing_or_bad_file_is_refused_at_startup(tmp_path):
+def test_a_missing_or_bad_file_is_refused_before_any_weights(tmp_path, monkeypatch):
+    from oasiskv.models import loader
+
+    monkeypatch.setattr(loader, "empty_model", lambda *a: pytest.fail("built the model first"))
     model = model_with(tmp_path, {"temperature": -1.0})
     with pytest.raises(ValueError, match="generation_config.json: temperature must be >= 0"):
         tiny_llm(model)

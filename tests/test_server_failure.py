@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from oasiskv.models.generation_config import GenerationDefaults
 from oasiskv.server.app import BackgroundServer, build_app
 
 
@@ -18,12 +19,19 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return bytes(ids).decode(errors="replace")
 
+    def text_context(self, prompt_ids) -> list[int]:
+        return []
+
+    def decode_after(self, context, ids) -> str:
+        return self.decode(ids)
+
 
 class BrokenEngine:
     """Takes requests like LLMEngine; its step raises."""
 
     def __init__(self):
         self.tokenizer, self.max_model_len, self.model_source = ByteTokenizer(), 64, "fake"
+        self.generation = GenerationDefaults()  # no default sampling params of its own
         self.config, self.model_config = SimpleNamespace(model="fake"), SimpleNamespace(vocab_size=256)
         self.sampler = SimpleNamespace(sample=None, forget=lambda rid: None)
         self.requests: dict = {}

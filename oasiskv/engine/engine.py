@@ -28,13 +28,9 @@ from oasiskv.kv.gpu_pool import bytes_per_block, plan_num_blocks
 from oasiskv.lookahead.base import DraftChunk
 from oasiskv.lookahead.factory import build_draft_source
 from oasiskv.policies.factory import build_kv
-from oasiskv.models.generation_config import generation_defaults
-from oasiskv.models.loader import load_model, resolve_source
+from oasiskv.models.loader import load_model
 from oasiskv.policies.dense import causal_attention
-
-# a stop string the last token completes lies in the text of this many last tokens (or 8 per character of the
-# longest stop string): tokens of a character split over several bytes, a word's pieces
-STOP_WINDOW_TOKENS = 64
+from oasiskv.engine.stopping import StopRules
 
 
 @dataclass
@@ -98,10 +94,10 @@ class LLMEngine:
         self.dtype = pick_dtype(config.dtype, self.device)
         loaded = load_model(config.model, config.load_format, self.device, self.dtype, config.seed,
                             config.show_progress, with_tokenizer=not self.tp or self.tp.is_leader,
-                            tokenizer=config.tokenizer)
+                            tokenizer=config.tokenizer, generation_config=config.generation_config)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
-        self.generation = generation_defaults(config.generation_config, *resolve_source(config.model))
-        if self.generation.sampling and config.show_progress and (not self.tp or self.tp.is_leader):
+        self.generation = loaded.generation  # the model's default sampling params and extra EOS ids
+        if self.generation.sampling and config.show_progress:
             print(f"[oasiskv] default sampling params from {self.generation.source}: {self.generation.sampling} "
                   f"(--generation-config vllm for the neutral ones)", file=sys.stderr)
         self.model_source = loaded.source
@@ -113,6 +109,9 @@ class LLMEngine:
         if window is not None and self.max_model_len > window:  # past it, full attention would give other tokens
             raise ValueError(f"the model attends to a sliding window of {window} tokens, which OasisKV does not "
                              f"implement: set --max-model-len {window} or less (got {self.max_model_len})")
+        eos = (*self.model_config.eos_token_ids, *getattr(self.tokenizer, "eos_token_ids", ()),  # (rank 0's only)
+               *self.generation.eos_token_ids)
+        self.stops = StopRules(self.tokenizer, frozenset(eos), self.max_model_len)
         self.block_size = config.cache.block_size
         kv_model_config, cache_cfg, kv_cfg = self.model_config, config.cache, config.kv
         if self.tp:
@@ -267,7 +266,7 @@ class LLMEngine:
             self.sampler.forget(request_id)
             req.kv_stats = self.kv_stats(request_id)
             req.finish_time = time.perf_counter()
-            req.output_text = self.output_text(req, req.output_token_ids)  # as vLLM: the text so far
+            req.output_text = self.stops.text(req, req.output_token_ids)  # as vLLM: the text so far
 
     def discard(self, request_ids: list[str]) -> None:
         """Abort and forget these requests: what a caller's step loop does after an error or an interrupt, so
@@ -434,7 +433,7 @@ class LLMEngine:
         now = time.perf_counter()
         req.first_token_time = req.first_token_time or now
         req.output_token_ids.append(token)
-        reason = self.stop_reason(req, token)
+        reason = self.stops.reason(req, token)
         if reason is None:
             return False
         self.scheduler.finish(req, reason)
@@ -443,61 +442,14 @@ class LLMEngine:
         req.kv_stats = self.kv_stats(req.request_id)
         self.sampler.forget(req.request_id)
         req.finish_time = now
+        req.output_text = self.stops.final_text(req, reason)
         if reason == "stop_string":
             req.finish_reason = "stop"
-        else:  # as vLLM: the token that stopped it (EOS, a stop token) is in the ids, not in the text
-            hide_last = reason == "stop" and not req.params.include_stop_str_in_output
-            req.output_text = self.output_text(req, req.output_token_ids[:-1] if hide_last else req.output_token_ids)
         return True
 
-    def stop_reason(self, req: Request, token: int) -> str | None:
-        p = req.params
-        reason = self.stop_by_content(req, token) if len(req.output_token_ids) >= p.min_tokens else None
-        # (the tokens the host has: with async scheduling the next step's may be pending already)
-        if reason is None and (len(req.output_token_ids) >= p.max_tokens or
-                               len(req.prompt_token_ids) + len(req.output_token_ids) >= self.max_model_len):
-            return "length"
-        return reason
-
-    def stop_by_content(self, req: Request, token: int) -> str | None:
-        """EOS, a stop token or a stop string (min_tokens reached)."""
-        p = req.params
-        if not p.ignore_eos and token in self.eos_token_ids:
-            return "stop"
-        if p.stop_token_ids and token in p.stop_token_ids:
-            req.stop_reason = token
-            return "stop"
-        if p.stop and self.stop_string_near_end(req):
-            text = self.output_text(req, req.output_token_ids)
-            # as vLLM: a stop string must end after the first min_tokens tokens' text
-            start = len(self.output_text(req, req.output_token_ids[:p.min_tokens])) if p.min_tokens else 0
-            found = [(i, s) for s in p.stop if (i := text.find(s, max(0, start - len(s) + 1))) >= 0]
-            if found:
-                cut, stop = min(found, key=lambda f: f[0])  # the earliest; at a tie, the first in the list
-                req.output_text = text[:cut + (len(stop) if p.include_stop_str_in_output else 0)]
-                req.stop_reason = stop
-                return "stop_string"
-        return None
-
-    def stop_string_near_end(self, req: Request) -> bool:
-        """Whether a stop string is in the text of the output's last tokens. Checked every step, a stop string is new
-        only where the last token ends it, so the whole output (decoded every step: quadratic in its length) is read
-        only once one is near the end."""
-        window = max(STOP_WINDOW_TOKENS, 8 * max(map(len, req.params.stop)))
-        if len(req.output_token_ids) <= window:
-            return True
-        tail = self.tokenizer.decode(req.output_token_ids[-window:])
-        return any(s in tail for s in req.params.stop)
-
-    def output_text(self, req: Request, ids: list[int]) -> str:
-        """ids' text as a continuation of the request's prompt (vLLM's detokenization: a SentencePiece word's
-        leading space stays)."""
-        return self.tokenizer.decode_after(req.prompt_token_ids, ids)
-
     @property
-    def eos_token_ids(self) -> set[int]:
-        return (set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
-                | set(self.generation.eos_token_ids))
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.stops.eos_token_ids
 
     def pop_finished(self, request_id: str) -> Request:
         return self.requests.pop(request_id)

@@ -31,6 +31,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string that finished it
     output_text: str = ""
+    text_context: list[int] | None = None  # the prompt tokens its text is decoded after (engine/stopping.py)
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None

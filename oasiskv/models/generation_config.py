@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 FILE = "generation_config.json"
 SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+DEFAULTED = tuple(SAMPLING_FIELDS.values())  # the SamplingParams fields a model's file may set
 
 
 @dataclass(frozen=True)

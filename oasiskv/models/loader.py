@@ -9,7 +9,7 @@ import importlib.util
 import json
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from oasiskv.config import ModelConfig
 from oasiskv.models import gguf_meta
 from oasiskv.models.llama import CausalLM, rope_inv_freq
+from oasiskv.models.generation_config import GenerationDefaults, generation_defaults
 from oasiskv.models.tokenizer import ByteTokenizer, HFTokenizer
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -31,6 +32,7 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: HFTokenizer | ByteTokenizer
     source: str
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)  # the model's sampling defaults
 
 
 def embedded_default_path() -> str:
@@ -92,12 +94,15 @@ def model_config_of(model: str | None) -> ModelConfig:
 
 def load_model(model: str | None, load_format: str, device: torch.device, dtype: torch.dtype,
                seed: int = 0, show_progress: bool = True, with_tokenizer: bool = True,
-               tokenizer: str | None = None) -> LoadedModel:
-    """with_tokenizer=False (tensor-parallel ranks other than 0, which never see text): tokenizer None.
-    `tokenizer`: an HF directory or a .gguf file whose tokenizer replaces the model's (vLLM's --tokenizer)."""
+               tokenizer: str | None = None, generation_config: str = "auto") -> LoadedModel:
+    """with_tokenizer=False (tensor-parallel ranks other than 0, which never see text): tokenizer None and no
+    generation defaults. `tokenizer`: an HF directory or a .gguf file whose tokenizer replaces the model's (vLLM's
+    --tokenizer); `generation_config`: models/generation_config.py. Both are read before the weights: a wrong path
+    or value costs no load."""
     kind, location = resolve_source(model)
     if with_tokenizer and tokenizer is not None:
-        chosen = tokenizer_from(tokenizer)  # before the weights: a wrong path costs no load
+        chosen = tokenizer_from(tokenizer)
+    generation = generation_defaults(generation_config, kind, location) if with_tokenizer else GenerationDefaults()
     if load_format not in ("auto", "dummy"):
         raise ValueError(f"--load-format must be auto or dummy, got {load_format!r}")
     if kind == "shipped" and load_format != "dummy":
@@ -114,7 +119,7 @@ def load_model(model: str | None, load_format: str, device: torch.device, dtype:
         chosen = None
     elif tokenizer is None:
         chosen = load_tokenizer(kind, location, load_format)
-    return LoadedModel(net.eval(), cfg, chosen, f"{kind}:{location}")
+    return LoadedModel(net.eval(), cfg, chosen, f"{kind}:{location}", generation)
 
 
 def tokenizer_from(path: str) -> HFTokenizer:

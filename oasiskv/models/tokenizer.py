@@ -5,7 +5,7 @@ import functools
 import os
 from typing import Sequence
 
-PRIMING_TOKENS = (4, 24)  # how many prompt tokens an output is decoded after (HFTokenizer.prompt_suffix)
+PRIMING_TOKENS = (4, 24)  # how many prompt tokens an output is decoded after (HFTokenizer.text_context)
 
 
 class HFTokenizer:
@@ -37,21 +37,20 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)
 
-    def decode_after(self, prompt_ids: Sequence[int], ids: Sequence[int]) -> str:
+    def decode_after(self, context: Sequence[int], ids: Sequence[int]) -> str:
         """The text of ids as a continuation of the prompt, as vLLM's incremental detokenizer gives it: decoded
-        after the prompt's last tokens, whose own text is then cut off. Decoded alone, a SentencePiece token's
-        word-start marker at the beginning is dropped (" Paris" came out "Paris"); byte-level BPE gives the same
-        text either way."""
-        context = self.prompt_suffix(prompt_ids)
+        after the prompt's last tokens (`context`, from text_context), whose own text is then cut off. Decoded
+        alone, a SentencePiece token's word-start marker at the beginning is dropped (" Paris" came out "Paris");
+        byte-level BPE gives the same text either way."""
         if not context:
             return self.decode(ids)
         before = self.decode(context)
         whole = self.decode(list(context) + list(ids))
         return whole[len(before):] if whole.startswith(before) else self.decode(ids)
 
-    def prompt_suffix(self, prompt_ids: Sequence[int]) -> list[int]:
-        """The prompt's last 4 to 24 tokens, the fewest that start on a whole character (vLLM's priming of its
-        decode stream); all of a shorter prompt."""
+    def text_context(self, prompt_ids: Sequence[int]) -> list[int]:
+        """The prompt tokens an output is decoded after (once per request): the last 4 to 24, the fewest that
+        start on a whole character (vLLM's priming of its decode stream); all of a shorter prompt."""
         ids = list(prompt_ids)
         if len(ids) <= PRIMING_TOKENS[0]:
             return ids
@@ -97,8 +96,11 @@ class ByteTokenizer:
         out.append(pending.decode("utf-8", errors="replace"))
         return "".join(out)
 
-    def decode_after(self, prompt_ids: Sequence[int], ids: Sequence[int]) -> str:
-        return self.decode(ids)  # bytes: no token's text depends on what comes before it
+    def text_context(self, prompt_ids: Sequence[int]) -> list[int]:
+        return []  # bytes: no token's text depends on what comes before it
+
+    def decode_after(self, context: Sequence[int], ids: Sequence[int]) -> str:
+        return self.decode(ids)
 
     def apply_chat_template(self, messages: list[dict], chat_template: str | None = None,
                             add_generation_prompt: bool = True, continue_final_message: bool = False,

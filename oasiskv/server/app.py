@@ -32,8 +32,7 @@ class ServerState:
         self.disagg = disagg  # a prefill or decode role (disagg/server.py), or None
         self.model_name = served_model_name or default_model_name(engine)
         self.max_model_len = engine.max_model_len
-        generation = getattr(engine, "generation", None)  # (a stand-in engine in tests may have none)
-        self.sampling_defaults = generation.sampling if generation is not None else {}
+        self.sampling_defaults = engine.generation.sampling  # the model's generation_config.json values
         self.metrics = ServerMetrics(self.model_name)
         self.loop = EngineLoop(engine, self.metrics)
         self.created = int(time.time())

@@ -63,14 +63,15 @@ class TextStream:
     engine cuts a stop string off only once it is complete)."""
 
     def __init__(self, tokenizer, params: SamplingParams, prompt_ids: list[int]):
-        self.tokenizer, self.params, self.prompt_ids = tokenizer, params, prompt_ids
+        self.tokenizer, self.params = tokenizer, params
+        self.context = tokenizer.text_context(prompt_ids)  # the prompt tokens the output is decoded after
         self.holdback = max((len(s) for s in params.stop or ()), default=1) - 1
         self.ids: list[int] = []
         self.sent = 0
 
     def push(self, token_ids: list[int]) -> str:
         self.ids += token_ids
-        text = self.tokenizer.decode_after(self.prompt_ids, self.ids)
+        text = self.tokenizer.decode_after(self.context, self.ids)
         safe = len(text) - self.holdback - (1 if text.endswith("\ufffd") else 0)
         delta = text[self.sent:safe] if safe > self.sent else ""
         self.sent += len(delta)
@@ -79,7 +80,7 @@ class TextStream:
     def finish(self, token_ids: list[int], out: Output) -> tuple[str, str | int | None]:
         """The last delta (from the engine's final text) and vLLM's stop_reason."""
         self.ids += token_ids
-        full = self.tokenizer.decode_after(self.prompt_ids, self.ids)
+        full = self.tokenizer.decode_after(self.context, self.ids)
         final = full if out.text is None or out.finish_reason == "abort" else out.text
         delta, self.sent = final[self.sent:], len(final)
         # the engine's own: the stop string it cut the text at (the earliest), the stop token; None for EOS

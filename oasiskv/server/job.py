@@ -9,12 +9,14 @@ from typing import AsyncIterator
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from oasiskv.config import SamplingParams
+from oasiskv.models.generation_config import DEFAULTED
 from oasiskv.server.generation import ChoiceDelta, Submission, choice_deltas, collect_choices
 from oasiskv.server.protocol import (UNSUPPORTED_FIELDS, APIError, SamplingFields, error_body, new_id, now, sse,
                                      usage)
 
 
-NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+# what a request leaves out: the model's default (its generation_config.json), else SamplingParams' own
+NEUTRAL = {name: getattr(SamplingParams(), name) for name in DEFAULTED if name != "max_tokens"}
 
 
 def sampling_params(body: SamplingFields, max_tokens: int, choice: int, defaults: dict | None = None) -> SamplingParams:
