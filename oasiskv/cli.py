@@ -39,7 +39,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-gb", type=float, default=CACHE_DEFAULTS.gpu_memory_gb)
     g.add_argument("--kv-cache-gb", type=float, default=CACHE_DEFAULTS.kv_cache_gb)
     g.add_argument("--num-kv-blocks", type=int, default=CACHE_DEFAULTS.num_kv_blocks)
-    g.add_argument("--max-num-seqs", type=int, default=SCHED_DEFAULTS.max_num_seqs)
+    g.add_argument("--max-num-seqs", type=int, default=SCHED_DEFAULTS.max_num_seqs,
+                   help="requests running at once; never more than --max-num-batched-tokens")
     g.add_argument("--max-num-batched-tokens", type=int, default=SCHED_DEFAULTS.max_num_batched_tokens)
     g.add_argument("--max-model-len", type=int, default=SCHED_DEFAULTS.max_model_len)
     g.add_argument("--schedule-policy", default=SCHED_DEFAULTS.schedule_policy, choices=SCHEDULE_POLICIES,

@@ -391,6 +391,12 @@ class SchedulerConfig:
     # (engine/overlap.py). None: on where it helps and can run (a GPU, a draft source that drafts on the device)
     async_scheduling: bool | None = None
 
+    @property
+    def max_running(self) -> int:
+        """Requests that may run at once: every running decode's token must fit in one step's budget, or the
+        newest decodes and the waiting prompts would wait for the oldest to finish (vLLM refuses such a budget)."""
+        return min(self.max_num_seqs, self.max_num_batched_tokens)
+
     def __post_init__(self):
         sizes = {"--max-num-seqs": self.max_num_seqs, "--max-num-batched-tokens": self.max_num_batched_tokens,
                  "--max-model-len": self.max_model_len}  # max_model_len None: the model's own

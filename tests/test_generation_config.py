@@ -14,7 +14,7 @@ from oasiskv.config import SamplingParams
 from oasiskv.server.app import BackgroundServer, build_app
 from oasiskv.server.job import sampling_params
 from oasiskv.server.protocol import CompletionRequest
-from tests.helpers import write_tiny_config
+from tests.helpers import write_gguf, write_tiny_config
 
 FILE = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 5, "do_sample": True, "eos_token_id": [2, 9]}
 
@@ -63,6 +63,31 @@ def test_a_missing_or_bad_file_is_refused_before_any_weights(tmp_path, monkeypat
         tiny_llm(model)
     with pytest.raises(FileNotFoundError, match="--generation-config .*nowhere: no generation_config.json there"):
         tiny_llm(model, generation_config=str(tmp_path / "nowhere"))
+
+
+def test_a_ggufs_recommended_sampler_settings_are_its_defaults(tmp_path, monkeypatch):
+    """llama.cpp's general.sampling.* keys (written with gguf's own writer): temp, top_p, top_k and min_p are the
+    defaults under auto; penalty_repeat is not (llama.cpp applies it to a window of the last tokens); vllm ignores
+    them; a bad value is refused naming the file."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from oasiskv.models.generation_config import generation_defaults
+
+    monkeypatch.setenv("OASISKV_GGUF_CACHE", str(tmp_path / "cache"))
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=128)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    keys = {"temp": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05, "penalty_repeat": 1.1}
+    path = write_gguf(tmp_path / "m.gguf", hf, "llama", sampling=keys)
+    found = generation_defaults("auto", "gguf", path)
+    assert found.sampling == pytest.approx({"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05})
+    assert found.eos_token_ids == () and "general.sampling" in found.source
+    assert generation_defaults("vllm", "gguf", path).sampling == {}
+    assert generation_defaults("auto", "gguf", write_gguf(tmp_path / "plain.gguf", hf, "llama")).sampling == {}
+    bad = write_gguf(tmp_path / "bad.gguf", hf, "llama", sampling={"temp": -1.0})
+    with pytest.raises(ValueError, match="bad.gguf .general.sampling.*temperature must be >= 0"):
+        generation_defaults("auto", "gguf", bad)
 
 
 def test_a_request_takes_the_models_defaults_for_what_it_leaves_out():

@@ -192,6 +192,26 @@ def test_decodes_are_not_starved_by_a_long_prefill():
     assert len(d[0].output_token_ids) == 6 and p.num_computed_tokens == 30
 
 
+@pytest.mark.parametrize("policy", ["mixed", "prefill-first"])
+@pytest.mark.parametrize("prompt_len", [1, 2])
+def test_running_requests_never_outnumber_the_token_budget(policy, prompt_len):
+    # 5 requests, 2 tokens a step: at most 2 run at once, so every running decode gets its token in every step
+    # and the waiting requests are admitted as the running ones finish (prefill-first admitted all 5, and then
+    # the newest decodes waited for the oldest to finish; vLLM refuses such a budget)
+    h = Harness(make_sched(num_blocks=40, max_num_batched_tokens=2, policy=policy))
+    reqs = [h.add(make_req(f"r{i}", prompt_len, 6, arrival=float(i))) for i in range(5)]
+    steps = 0
+    while h.s.has_unfinished():
+        running = [r for r in h.s.running if r.num_uncomputed == 1]
+        out = h.step()
+        steps += 1
+        assert len(h.s.running) <= 2 and out.num_tokens <= 2
+        left_out = {r.request_id for r in running} - {c.request_id for c in out.chunks}
+        prefilled = any(c.start < prompt_len for c in out.chunks)
+        assert not left_out or (policy == "prefill-first" and prefilled)  # decodes wait only for a prefill
+    assert all(len(r.output_token_ids) == 6 for r in reqs) and steps <= 20
+
+
 def test_max_num_seqs_respected():
     h = Harness(make_sched(num_blocks=20, max_num_seqs=2))
     a = h.add(make_req("a", 5, 2, arrival=0.0))

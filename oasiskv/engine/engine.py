@@ -129,7 +129,7 @@ class LLMEngine:
             gpu_blocks = self.tp.agree_min(gpu_blocks)
         use_graphs = self.device.type == "cuda" and not config.enforce_eager
         kv = build_kv(kv_model_config, cache_cfg, kv_cfg, gpu_blocks, self.max_model_len,
-                      config.scheduler.max_num_seqs, self.dtype, self.device, timing=not use_graphs,
+                      config.scheduler.max_running, self.dtype, self.device, timing=not use_graphs,
                       prefill_chunk=config.scheduler.max_num_batched_tokens, **self.kv_overrides())
         self.pool, self.host, self.policy, self.allocator = kv.pool, kv.host, kv.policy, kv.allocator
         if self.tp:
@@ -188,7 +188,7 @@ class LLMEngine:
         with torch.inference_mode():
             ids = torch.zeros(n, dtype=torch.long, device=self.device)
             hidden, _ = self.model(ids, torch.arange(n, device=self.device), _NoCacheCausal())
-            self.model.logits(hidden[-self.config.scheduler.max_num_seqs:])
+            self.model.logits(hidden[-self.config.scheduler.max_running:])
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
         torch.cuda.empty_cache()
@@ -216,7 +216,7 @@ class LLMEngine:
     def max_concurrency(self, tokens_per_request: int) -> int:
         """How many requests of this many tokens the KV memory (pool or host store) holds at once."""
         fit = self.allocator.num_blocks // -(-tokens_per_request // self.block_size)
-        return min(fit, self.scheduler.cfg.max_num_seqs)
+        return min(fit, self.scheduler.cfg.max_running)
 
     @property
     def kv_bytes_per_token(self) -> int:

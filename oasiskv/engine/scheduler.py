@@ -117,14 +117,14 @@ class Scheduler:
         """A running request has an unfinished prefill, or the head of the queue can be admitted now."""
         if any(r.num_uncomputed > 1 for r in self.running):
             return True
-        if not self.waiting or len(self.running) >= self.cfg.max_num_seqs:
+        if not self.waiting or len(self.running) >= self.cfg.max_running:
             return False
         req = self.waiting[0]
         n = min(req.num_uncomputed, self.cfg.max_num_batched_tokens)
         return self.allocator.can_allocate(self.new_blocks(req, n))
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running:
             req = self.waiting[0]
             n = min(req.num_uncomputed, budget)
             need = self.new_blocks(req, n)

@@ -1,7 +1,8 @@
 """A model's generation_config.json as its default sampling params, as vLLM reads it (`--generation-config`):
 
-- "auto" (default): the file in the model's Hugging Face directory, where there is one (a GGUF or a shipped config
-  has none);
+- "auto" (default): the file in the model's Hugging Face directory, where there is one; for a GGUF, the
+  recommended sampler settings llama.cpp reads from its metadata (general.sampling.temp, top_p, top_k, min_p;
+  models/gguf_meta.py); a shipped config has none;
 - "vllm": none, the neutral defaults (SamplingParams());
 - a directory: its generation_config.json (missing: an error).
 
@@ -26,6 +27,8 @@ class GenerationDefaults:
 
 
 def generation_defaults(setting: str, model_kind: str, model_location: str) -> GenerationDefaults:
+    if setting == "auto" and model_kind == "gguf":
+        return gguf_defaults(model_location)
     directory = config_directory(setting, model_kind, model_location)
     if directory is None:
         return GenerationDefaults()
@@ -41,6 +44,18 @@ def generation_defaults(setting: str, model_kind: str, model_location: str) -> G
     eos = values.get("eos_token_id")
     eos = () if eos is None else tuple(int(t) for t in (eos if isinstance(eos, (list, tuple)) else [eos]))
     return GenerationDefaults(sampling, eos, path)
+
+
+def gguf_defaults(path: str) -> GenerationDefaults:
+    from oasiskv.models import gguf_meta
+
+    stat = os.stat(path)
+    sampling = gguf_meta.sampling(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+    if not sampling:
+        return GenerationDefaults()
+    source = f"{path} (general.sampling.*)"
+    check_sampling(sampling, source)
+    return GenerationDefaults(sampling, (), source)
 
 
 def config_directory(setting: str, model_kind: str, model_location: str) -> str | None:

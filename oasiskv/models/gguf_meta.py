@@ -23,9 +23,15 @@ import shutil
 import tempfile
 
 DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "oasiskv", "gguf")
-# what an entry holds: 2 adds own_reading to the config (entries stored before it lack head_dim and rope_freqs)
-ENTRY_FORMAT = 2
+# what an entry holds: 2 adds own_reading to the config (entries stored before it lack head_dim and rope_freqs);
+# 3 adds the sampling defaults to the tensor index
+ENTRY_FORMAT = 3
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's RoPE frequency factors: read into the config, not loaded as a weight
+# llama.cpp's recommended sampler settings (general.sampling.*) that mean what vLLM's SamplingParams fields mean.
+# Left out: penalty_repeat (llama.cpp applies it to the last penalty_last_n tokens, vLLM's repetition_penalty to the
+# whole prompt and output), the XTC and mirostat samplers and the sampler order, which have no vLLM field.
+SAMPLING_KEYS = {"general.sampling.temp": ("temperature", float), "general.sampling.top_p": ("top_p", float),
+                 "general.sampling.top_k": ("top_k", int), "general.sampling.min_p": ("min_p", float)}
 # tensor indexes this process parsed but could not store (an unwritable cache), by entry: reading the config and
 # loading the weights each need the index, and each parse costs seconds
 unstored_indexes: dict[str, dict] = {}
@@ -85,6 +91,21 @@ def rope_freqs_scaling(reader) -> dict | None:
     return None
 
 
+def sampling_reading(reader) -> dict:
+    """The SamplingParams fields the GGUF's general.sampling.* keys set (SAMPLING_KEYS)."""
+    out = {}
+    for key, (name, kind) in SAMPLING_KEYS.items():
+        value = field_value(reader, key)
+        if value is not None:
+            out[name] = kind(value)
+    return out
+
+
+def sampling(path: str, mtime_ns: int, size: int) -> dict:
+    """llama.cpp's recommended sampler settings in the GGUF, as SamplingParams fields (from the tensor index's parse)."""
+    return tensor_index(path, mtime_ns, size)["sampling"]
+
+
 def field_value(reader, key: str):
     field = reader.get_field(key)
     return None if field is None else field.contents()
@@ -106,6 +127,7 @@ def tensor_index(path: str, mtime_ns: int, size: int) -> dict:
     index = read_json(entry, "tensors.json")
     try:
         if isinstance(index["arch"], str) and isinstance(index["config"], dict) and \
+                isinstance(index["sampling"], dict) and \
                 all(offset + n_bytes <= size for _, _, offset, n_bytes, _, _ in index["tensors"]):
             return index
     except (KeyError, TypeError, ValueError):
@@ -119,7 +141,7 @@ def tensor_index(path: str, mtime_ns: int, size: int) -> dict:
     index = {"arch": str(reader.fields["general.architecture"].contents()),
              "tensors": [[t.name, int(t.tensor_type), int(t.data_offset), int(t.n_bytes), t.data.dtype.str,
                           list(t.data.shape)] for t in reader.tensors],
-             "config": own_reading(reader)}
+             "config": own_reading(reader), "sampling": sampling_reading(reader)}
     if not write_json(entry, "tensors.json", index):
         unstored_indexes[entry] = index
     return index
