@@ -32,8 +32,21 @@ def bias_pairs(bias) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
+def left_truncated(prompt_ids: list[int], size: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `size` tokens (-1: max_model_len; None: all of them); a size
+    above max_model_len is refused, as vLLM refuses it."""
+    if size is None:
+        return prompt_ids
+    if not (is_integer(size) and (size >= 1 or size == -1)):
+        raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or -1 (the model's length), got {size!r}")
+    if size > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens {size} is greater than max_model_len {max_model_len}; choose a "
+                         f"smaller size, or -1 for the model's length")
+    return prompt_ids[-(max_model_len if size == -1 else size):]
+
+
 VLLM_ONLY_FIELDS = {"skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "detokenize": (True,),
-                    "bad_words": (None, []), "allowed_token_ids": (None,), "truncate_prompt_tokens": (None,)}
+                    "bad_words": (None, [])}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,7 +85,9 @@ class SamplingParams:
     detokenize: bool = True
     best_of: int | None = None
     bad_words: list[str] | None = None
-    allowed_token_ids: list[int] | None = None
+    # vLLM's: only these tokens can be sampled (the others' logits are -inf before everything else); kept as a tuple
+    allowed_token_ids: tuple[int, ...] | list[int] | None = None
+    # vLLM's: the prompt's last k tokens only (left truncation); -1: the last --max-model-len
     truncate_prompt_tokens: int | None = None
 
     def __post_init__(self):
@@ -99,9 +114,14 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         if self.logit_bias is not None:
             object.__setattr__(self, "logit_bias", bias_pairs(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not all(map(is_integer, ids)):
+                raise ValueError(f"allowed_token_ids must be a list of integers, got {ids!r}")
+            object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in ids))
         self.validate()
         # numpy's ints become Python's: torch's seeding takes no other
-        for name in ("max_tokens", "n", "top_k", "min_tokens", "seed"):
+        for name in ("max_tokens", "n", "top_k", "min_tokens", "seed", "truncate_prompt_tokens"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, int(getattr(self, name)))
 
@@ -142,6 +162,12 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.allowed_token_ids is not None and (not self.allowed_token_ids or min(self.allowed_token_ids) < 0):
+            raise ValueError(f"allowed_token_ids must be a non-empty list of token ids >= 0, got "
+                             f"{list(self.allowed_token_ids)[:5]}")
+        k = self.truncate_prompt_tokens
+        if k is not None and not (is_integer(k) and (k >= 1 or k == -1)):
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or -1 (the model's length), got {k!r}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and not (is_integer(k) and 0 <= k <= MAX_LOGPROBS):
@@ -168,6 +194,10 @@ class SamplingParams:
             return [self]
         return [dataclasses.replace(self, n=1, best_of=None, seed=None if self.seed is None else self.seed + i)
                 for i in range(self.n)]
+
+    def truncated(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as truncate_prompt_tokens leaves it."""
+        return left_truncated(prompt_ids, self.truncate_prompt_tokens, max_model_len)
 
     @property
     def reads_history(self) -> bool:

@@ -1,6 +1,7 @@
 """End to end on the embedded SmolLM2: CLI vs transformers, batch invariance under preemption, bad input."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -148,6 +149,35 @@ def test_bad_request_is_rejected_and_others_keep_running(smollm_llm):
         engine.step()
     out = engine.pop_finished(good)
     assert len(out.output_token_ids) == 8 and out.finish_reason == "length"
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(smollm_llm):
+    """vLLM's truncate_prompt_tokens: the output is the one of the prompt's last k tokens given alone, and the request
+    reports the truncated prompt; -1 keeps max_model_len tokens; a size above it is refused."""
+    ids = smollm_llm.get_tokenizer().encode(PROMPTS[0] + " " + PROMPTS[2])
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    cut = smollm_llm.generate([ids], dataclasses.replace(greedy, truncate_prompt_tokens=5), use_tqdm=False)[0]
+    alone = smollm_llm.generate([ids[-5:]], greedy, use_tqdm=False)[0]
+    assert list(cut.prompt_token_ids) == ids[-5:] and cut.outputs[0].token_ids == alone.outputs[0].token_ids
+    whole = smollm_llm.generate([ids], dataclasses.replace(greedy, truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert list(whole.prompt_token_ids) == ids
+    too_long = smollm_llm.engine.max_model_len + 1
+    with pytest.raises(ValueError, match="truncate_prompt_tokens .* is greater than max_model_len"):
+        smollm_llm.generate([ids], dataclasses.replace(greedy, truncate_prompt_tokens=too_long), use_tqdm=False)
+
+
+def test_allowed_token_ids_are_the_only_tokens_generated(smollm_llm):
+    """vLLM's allowed_token_ids: each greedy token is the one a +100 logit_bias on the same ids picks (another way to
+    the same rule); sampled tokens stay in the set; an id beyond the vocabulary is refused."""
+    allowed = smollm_llm.get_tokenizer().encode(" Paris London Rome Berlin the a")
+    only = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, allowed_token_ids=allowed)
+    biased = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={t: 100 for t in allowed})
+    a, b = smollm_llm.generate([PROMPTS[0]] * 2, [only, biased], use_tqdm=False)
+    assert set(a.outputs[0].token_ids) <= set(allowed) and a.outputs[0].token_ids == b.outputs[0].token_ids
+    drawn = smollm_llm.generate(PROMPTS[1], dataclasses.replace(only, temperature=1.0, seed=3), use_tqdm=False)[0]
+    assert set(drawn.outputs[0].token_ids) <= set(allowed)
+    with pytest.raises(ValueError, match="allowed_token_ids must be below the vocabulary size"):
+        smollm_llm.generate("x", SamplingParams(allowed_token_ids=[1, 10 ** 7]), use_tqdm=False)
 
 
 def test_generate_rejects_batch_with_a_bad_prompt_atomically(smollm_llm):

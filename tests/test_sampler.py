@@ -332,8 +332,9 @@ def test_sampling_params_defaults_and_normalisation():
     # vLLM's fields at values that change nothing are taken; others refused by name
     taken = SamplingParams(n=2, best_of=2, seed=1, skip_special_tokens=True, detokenize=True, bad_words=[])
     assert hash(taken) and [c.seed for c in taken.choices()] == [1, 2]
-    for field, value in [("skip_special_tokens", False), ("detokenize", False), ("bad_words", ["x"]),
-                         ("allowed_token_ids", [1]), ("truncate_prompt_tokens", 8), ("best_of", 3)]:
+    for field, value in [("skip_special_tokens", False), ("detokenize", False), ("bad_words", ["x"]), ("best_of", 3),
+                         ("allowed_token_ids", []), ("allowed_token_ids", [-1]), ("allowed_token_ids", "ab"),
+                         ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", -2), ("truncate_prompt_tokens", 1.5)]:
         with pytest.raises(ValueError, match=f"{field}"):
             SamplingParams(**{field: value})
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -341,6 +342,31 @@ def test_sampling_params_defaults_and_normalisation():
     # dataclasses.replace re-validates
     with pytest.raises(ValueError):
         dataclasses.replace(p, top_k=-2)
+
+
+def test_allowed_token_ids_leave_the_other_tokens_out_of_every_draw():
+    """vLLM's allowed_token_ids: greedy picks the best allowed token (a brute-force argmax over the allowed ids);
+    a sampled row draws what the same generator draws from logits with every other token at -inf; the caller's
+    logits (reported as logprobs) are not changed."""
+    assert SamplingParams(allowed_token_ids=[4, 2]).allowed_token_ids == (4, 2) and hash(SamplingParams(
+        allowed_token_ids=[4, 2]))
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=gen)
+    raw = logits.clone()
+    allowed = [3, 17, 41, 8]
+    params = [SamplingParams(temperature=0, allowed_token_ids=allowed),
+              SamplingParams(temperature=0.9, top_p=0.8, seed=5, allowed_token_ids=allowed),
+              SamplingParams(temperature=0)]
+    tokens = Sampler(torch.device("cpu"), 0).sample(logits, ["a", "b", "c"], params)
+    assert tokens[0] == max(allowed, key=lambda t: logits[0, t].item())
+    assert tokens[2] == int(logits[2].argmax())
+    masked = torch.full_like(logits[1], float("-inf"))
+    masked[allowed] = logits[1, allowed]
+    assert tokens[1] == sample_row(masked, params[1], torch.Generator().manual_seed(5))
+    assert torch.equal(logits, raw)
+    for seed in range(30):  # (and no draw ever leaves the set)
+        p = SamplingParams(temperature=1.5, seed=seed, allowed_token_ids=allowed)
+        assert Sampler(torch.device("cpu"), 0).sample(logits[1:2], ["r"], [p])[0] in allowed
 
 
 def test_sampling_on_the_device_draws_what_sample_draws():

@@ -100,6 +100,24 @@ def test_fields_at_values_that_change_nothing_are_accepted(served, http):
     assert out.status_code == 200 and out.json()["choices"][0]["text"] == served[2]["completions"][0].outputs[0].text
 
 
+def test_truncate_prompt_tokens_and_allowed_token_ids(served, http):
+    """vLLM's fields, served: the last k prompt tokens (usage counts them; the text is that of those tokens given
+    alone), in completions and chat; only the allowed ids are generated (logprobs name each sampled token)."""
+    ids = http.post("/tokenize", json={"prompt": PROMPTS[0]}).json()["tokens"]
+    body = {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "truncate_prompt_tokens": 3}
+    cut = http.post("/v1/completions", json=body).json()
+    alone = http.post("/v1/completions", json={**body, "prompt": ids[-3:], "truncate_prompt_tokens": None}).json()
+    assert cut["usage"]["prompt_tokens"] == 3 and cut["choices"][0]["text"] == alone["choices"][0]["text"]
+    chat = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, "truncate_prompt_tokens": 4})
+    assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == 4
+    allowed = http.post("/tokenize", json={"prompt": " Paris London the"}).json()["tokens"]
+    out = http.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 6, "temperature": 1.0, "seed": 1,
+                                             "allowed_token_ids": allowed, "logprobs": 0,
+                                             "return_tokens_as_token_ids": True}).json()
+    tokens = [int(t.removeprefix("token_id:")) for t in out["choices"][0]["logprobs"]["tokens"]]
+    assert len(tokens) == 6 and set(tokens) <= set(allowed)
+
+
 def test_the_stop_string_kept_in_the_text_streamed_or_not(served, http):
     """include_stop_str_in_output: the text goes on to the end of the stop string, in one piece or in deltas, and
     stop_reason names it."""

@@ -99,6 +99,11 @@ BAD_COMPLETIONS = [  # (name, body: dict, raw bytes, or a function of the server
     ("echo alone of a token id out of range", {"prompt": [99999, 5], "max_tokens": 0, "echo": True}, 400),
     ("a lone surrogate", b'{"prompt": "hi \\ud800", "max_tokens": 2}', 400),
     ("min_tokens above max_tokens", {"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, 400),
+    ("allowed_token_ids beyond the vocabulary", {"prompt": "hi", "allowed_token_ids": [5, 10 ** 7]}, 400),
+    ("empty allowed_token_ids", {"prompt": "hi", "allowed_token_ids": []}, 400),
+    ("truncate_prompt_tokens zero", {"prompt": "hi", "truncate_prompt_tokens": 0}, 400),
+    ("truncate_prompt_tokens beyond the model", lambda state: {"prompt": "hi",
+                                                               "truncate_prompt_tokens": state.max_model_len + 1}, 400),
 ]
 BAD_CHATS = [
     ("empty messages", {"messages": []}, 400),
@@ -116,6 +121,9 @@ BAD_CHATS = [
 ]
 PARAMS = {"token id out of range": "prompt", "echoed token id out of range": "prompt", "a lone surrogate": "prompt",
           "logit_bias beyond the vocabulary": "logit_bias", "min_tokens above max_tokens": "min_tokens",
+          "allowed_token_ids beyond the vocabulary": "allowed_token_ids", "empty allowed_token_ids": "allowed_token_ids",
+          "truncate_prompt_tokens zero": "truncate_prompt_tokens",
+          "truncate_prompt_tokens beyond the model": "truncate_prompt_tokens",
           "min_p above 1": "min_p", "seed beyond torch's range": "seed",
           "top_logprobs without logprobs": "top_logprobs",
           "suffix": "suffix", "best_of beyond n": "best_of", "guided_choice": "guided_choice", "priority": "priority",

@@ -242,11 +242,16 @@ class LLMEngine:
                 raise ValueError(f"token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}")
         else:
             raise ValueError(f"a prompt is a string or a list of integer token ids, got {reprlib.repr(prompt)}")
+        ids = params.truncated(ids, self.max_model_len)
         if params.max_tokens is None:  # vLLM's: up to the model length
             params = dataclasses.replace(params, max_tokens=max(1, self.max_model_len - len(ids)))
-        if params.logit_bias and params.logit_bias[-1][0] >= self.model_config.vocab_size:
-            raise ValueError(f"logit_bias token ids must be below the vocabulary size {self.model_config.vocab_size}, "
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and params.logit_bias[-1][0] >= vocab:
+            raise ValueError(f"logit_bias token ids must be below the vocabulary size {vocab}, "
                              f"got {params.logit_bias[-1][0]}")
+        if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab:
+            raise ValueError(f"allowed_token_ids must be below the vocabulary size {vocab}, "
+                             f"got {max(params.allowed_token_ids)}")
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")

@@ -75,7 +75,8 @@ class Sampler:
                          histories: list[TokenHistory | None] | None = None) -> torch.Tensor:
         """The tokens as int64 [S] on the logits' device, without waiting for them (async scheduling reads them a
         step later). The draws are those of `sample`: the same ops on the same generators, in row order."""
-        if any(p.logit_bias for p in params) or (histories is not None and any(h is not None for h in histories)):
+        if any(p.logit_bias or p.allowed_token_ids for p in params) or \
+                (histories is not None and any(h is not None for h in histories)):
             logits = self.adjusted(logits, request_ids, params, histories)
         if all(p.greedy for p in params):
             return torch.argmax(logits, dim=-1)
@@ -83,10 +84,16 @@ class Sampler:
                             for i, (rid, p) in enumerate(zip(request_ids, params))])
 
     def adjusted(self, logits, request_ids, params, histories) -> torch.Tensor:
-        """A copy of the logits with each row's logit_bias added, then its history's penalties applied, in vLLM's
-        order (the caller's rows stay raw: logprobs are reported before them, as vLLM does by default)."""
+        """A copy of the logits with each row's tokens outside allowed_token_ids at -inf, its logit_bias added, then
+        its history's penalties applied, in vLLM's order (the caller's rows stay raw: logprobs are reported before
+        them, as vLLM does by default)."""
         logits = logits.clone()
         for i, (rid, p, history) in enumerate(zip(request_ids, params, histories or [None] * len(params))):
+            if p.allowed_token_ids:
+                allowed = torch.tensor(p.allowed_token_ids, device=logits.device)
+                kept = logits[i, allowed]
+                logits[i] = float("-inf")
+                logits[i, allowed] = kept
             if p.logit_bias:
                 ids, biases = zip(*p.logit_bias)
                 logits[i, list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)

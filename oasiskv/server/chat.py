@@ -4,7 +4,7 @@ from __future__ import annotations
 from fastapi.responses import Response
 
 from oasiskv.server.generation import Choice, Submission
-from oasiskv.server.job import GenerationJob, check_context, max_tokens_of, sampling_params
+from oasiskv.server.job import GenerationJob, check_context, max_tokens_of, sampling_params, truncated_prompt
 from oasiskv.server.logprobs import chat_logprobs
 from oasiskv.server.protocol import APIError, ChatCompletionRequest
 
@@ -35,7 +35,7 @@ class ChatJob(GenerationJob):
 
     def __init__(self, body: ChatCompletionRequest, state):
         super().__init__(body, state)
-        self.prompt = chat_prompt(body, state.tokenizer)
+        self.prompt = truncated_prompt(body, chat_prompt(body, state.tokenizer), state.max_model_len)
         self.num_prompt_tokens = len(self.prompt)
         requested = body.max_completion_tokens or body.max_tokens
         check_context(len(self.prompt), requested, state.max_model_len, "messages")

@@ -6,7 +6,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from oasiskv.server.generation import Choice, Submission
 from oasiskv.server.job import (GenerationJob, check_context, check_token_ids, encode_text, max_tokens_of,
-                               sampling_params)
+                               sampling_params, truncated_prompt)
 from oasiskv.server.logprobs import CompletionLogprobs
 from oasiskv.server.protocol import APIError, CompletionRequest, sse
 
@@ -45,7 +45,10 @@ class CompletionJob(GenerationJob):
             raise APIError("echo with logprobs (the prompt's logprobs) is not served with tensor parallelism "
                            "(--tensor-parallel-size > 1); ask without logprobs or without echo", param="echo")
         self.n = body.n
-        self.prompts = prompt_inputs(body.prompt, state.tokenizer, state.engine.model_config.vocab_size)
+        self.prompts = []
+        for text, ids in prompt_inputs(body.prompt, state.tokenizer, state.engine.model_config.vocab_size):
+            kept = truncated_prompt(body, ids, state.max_model_len)
+            self.prompts.append((text if len(kept) == len(ids) else None, kept))  # echo: a truncated one's text
         if state.disagg is not None and len(self.prompts) > 1:
             raise APIError("a prefill or decode instance takes one prompt a request (kv_transfer_params name one "
                            "prompt's KV)", param="prompt")

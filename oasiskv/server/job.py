@@ -9,6 +9,7 @@ from typing import AsyncIterator
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from oasiskv.config import SamplingParams
+from oasiskv.sampling_params import left_truncated
 from oasiskv.models.generation_config import DEFAULTED
 from oasiskv.server.generation import ChoiceDelta, Submission, choice_deltas, collect_choices
 from oasiskv.server.protocol import (UNSUPPORTED_FIELDS, APIError, SamplingFields, error_body, new_id, now, sse,
@@ -33,7 +34,7 @@ def sampling_params(body: SamplingFields, max_tokens: int, choice: int, defaults
             seed=None if body.seed in (None, -1) else body.seed + choice, stop=stop or None,
             stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, min_tokens=body.min_tokens, logit_bias=body.logit_bias or None,
-            include_stop_str_in_output=body.include_stop_str_in_output)
+            include_stop_str_in_output=body.include_stop_str_in_output, allowed_token_ids=body.allowed_token_ids)
     except ValueError as e:
         raise APIError(str(e), param=field_named(str(e))) from e
 
@@ -52,7 +53,16 @@ def field_named(message: str) -> str | None:
 
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop", "min_tokens",
-                   "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+                   "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                   "allowed_token_ids")
+
+
+def truncated_prompt(body: SamplingFields, ids: list[int], max_model_len: int) -> list[int]:
+    """The prompt as the request's truncate_prompt_tokens leaves it (before its length is checked, as vLLM does)."""
+    try:
+        return left_truncated(ids, body.truncate_prompt_tokens, max_model_len)
+    except ValueError as e:
+        raise APIError(str(e), param="truncate_prompt_tokens") from e
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
@@ -119,6 +129,8 @@ class GenerationJob:
         if body.logit_bias:
             check_token_ids([int(t) for t in body.logit_bias if t.isascii() and t.isdigit()],  # ('²'.isdigit())
                             state.engine.model_config.vocab_size, "logit_bias")
+        if body.allowed_token_ids:
+            check_token_ids(body.allowed_token_ids, state.engine.model_config.vocab_size, "allowed_token_ids")
         self.body, self.state = body, state
         if state.disagg is not None and state.disagg.name == "decode" and self.wants_logprobs:
             raise APIError("a decode instance gives no logprobs: the prefill instance sampled the first token, and "

@@ -102,6 +102,8 @@ class SamplingFields(BaseModel):
     kv_transfer_params: dict | None = None  # prefill/decode disaggregation (vLLM's field): oasiskv/disagg/
     best_of: int | None = None  # vLLM's; only best_of == n (or unset) is served
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens as `token_id:N`
+    allowed_token_ids: list[StrictInt] | None = None  # vLLM's: only these can be sampled
+    truncate_prompt_tokens: int | None = None  # vLLM's: the prompt's last k tokens (-1: max_model_len)
 
 
 TokenIds = list[StrictInt]
