@@ -45,8 +45,7 @@ def left_truncated(prompt_ids: list[int], size: int | None, max_model_len: int) 
     return prompt_ids[-(max_model_len if size == -1 else size):]
 
 
-VLLM_ONLY_FIELDS = {"skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "detokenize": (True,),
-                    "bad_words": (None, [])}
+VLLM_ONLY_FIELDS = {"skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "detokenize": (True,)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,7 +83,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     best_of: int | None = None
-    bad_words: list[str] | None = None
+    # vLLM's: words the output may not contain (engine/penalties.py: bad_word_token_ids); kept as a tuple
+    bad_words: tuple[str, ...] | list[str] | None = None
     # vLLM's: only these tokens can be sampled (the others' logits are -inf before everything else); kept as a tuple
     allowed_token_ids: tuple[int, ...] | list[int] | None = None
     # vLLM's: the prompt's last k tokens only (left truncation); -1: the last --max-model-len
@@ -98,8 +98,10 @@ class SamplingParams:
             object.__setattr__(self, "seed", None)
         if self.logprobs is True:
             object.__setattr__(self, "logprobs", 1)
-        if self.bad_words == []:  # (lists would make the params unhashable)
-            object.__setattr__(self, "bad_words", None)
+        if self.bad_words is not None:  # (lists would make the params unhashable)
+            if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) for w in self.bad_words):
+                raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}")
+            object.__setattr__(self, "bad_words", tuple(self.bad_words) or None)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif self.stop is not None:
@@ -204,4 +206,4 @@ class SamplingParams:
         """Whether sampling reads the request's tokens (penalties, min_tokens): each step's tokens must then be on
         the host before the next step samples, so async scheduling pauses while such a request runs."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
-                or self.min_tokens > 0)
+                or self.min_tokens > 0 or bool(self.bad_words))

@@ -180,6 +180,27 @@ def test_allowed_token_ids_are_the_only_tokens_generated(smollm_llm):
         smollm_llm.generate("x", SamplingParams(allowed_token_ids=[1, 10 ** 7]), use_tqdm=False)
 
 
+def test_bad_words_never_complete_in_the_output(smollm_llm):
+    """vLLM's bad_words: a one-token word (as it is and after a space) is never drawn, as a -100 logit_bias on both
+    ids gives; a two-token word's second token is never drawn after its first, so the output equals the free one up
+    to where that word would first complete and never holds the word's ids."""
+    tok = smollm_llm.get_tokenizer()
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ids = tok.encode("Paris", add_special_tokens=False) + tok.encode(" Paris", add_special_tokens=False)
+    assert len(ids) == 2
+    banned, biased = smollm_llm.generate(["The capital of France is"] * 2, [
+        dataclasses.replace(greedy, bad_words=["Paris"]), dataclasses.replace(greedy, logit_bias={t: -100 for t in ids})],
+        use_tqdm=False)
+    assert banned.outputs[0].token_ids == biased.outputs[0].token_ids and not set(ids) & set(banned.outputs[0].token_ids)
+    word = tuple(tok.encode(" Roman Empire", add_special_tokens=False))
+    free = smollm_llm.generate(PROMPTS[0], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    first = next(i for i in range(len(free)) if tuple(free[i:i + len(word)]) == word)  # " Roman Empire" comes
+    out = smollm_llm.generate(PROMPTS[0], dataclasses.replace(greedy, bad_words=["Roman Empire"]),
+                              use_tqdm=False)[0].outputs[0].token_ids
+    assert len(word) == 2 and out[:first + 1] == free[:first + 1] and out[first + 1] != word[1]
+    assert all(tuple(out[i:i + 2]) != word for i in range(len(out)))
+
+
 def test_generate_rejects_batch_with_a_bad_prompt_atomically(smollm_llm):
     with pytest.raises(ValueError, match="prompt 1"):
         smollm_llm.generate(["fine", ""], SamplingParams(max_tokens=2), use_tqdm=False)

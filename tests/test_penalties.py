@@ -2,13 +2,16 @@
 processors and generate on the embedded SmolLM2, and OpenAI's formula written out token by token."""
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from oasiskv.api import SamplingParams
-from oasiskv.engine.penalties import TokenHistory, apply_penalties
+from oasiskv.engine.penalties import TokenHistory, apply_penalties, bad_word_token_ids, banned_by_bad_words
 from oasiskv.engine.sampler import Sampler, sample_row
+from oasiskv.models.tokenizer import ByteTokenizer
 
 PROMPT = "Write a list of fruits: apple, banana, apple, banana,"
 
@@ -163,3 +166,39 @@ def test_logit_bias_moves_greedy_and_sampling_and_refuses_bad_ids(smollm_llm):
     with pytest.raises(ValueError, match="below the vocabulary size"):
         smollm_llm.generate([ids], SamplingParams(logit_bias={10 ** 9: 1}), use_tqdm=False)
     assert not smollm_llm.engine.requests
+
+
+def test_bad_words_ban_exactly_the_tokens_that_would_complete_one():
+    """banned_by_bad_words against a brute force: a token is banned iff the output with it appended ends with one of
+    the words; a generation that draws only unbanned tokens then never holds a word."""
+    rng = random.Random(0)
+    vocab = 6
+    for _ in range(300):
+        words = tuple(tuple(rng.randrange(vocab) for _ in range(rng.randint(1, 3))) for _ in range(rng.randint(1, 3)))
+        output: list[int] = []
+        for _ in range(12):
+            banned = set(banned_by_bad_words(words, output))
+            completes = {t for t in range(vocab) for w in words
+                         if len(output) + 1 >= len(w) and tuple(output + [t])[-len(w):] == w}
+            assert banned == completes
+            allowed = [t for t in range(vocab) if t not in banned]
+            if not allowed:
+                break
+            output.append(rng.choice(allowed))
+        assert not any(tuple(output[i:i + len(w)]) == w for w in words for i in range(len(output)))
+
+
+def test_bad_words_are_tokenized_as_vllm_does():
+    """Each word as it is, and after a space where that gives other ids of the same count (bytes: a space is one more
+    id, so the spaced form is never added); an id beyond the model's vocabulary is refused."""
+    assert bad_word_token_ids(ByteTokenizer(), ("ab", " c"), 256) == ((97, 98), (99,))
+
+    class Words:  # a word-level tokenizer whose words start with a marker, as SentencePiece's do
+        ids = {"x": 1, "▁x": 2, "y": 3, "▁y": 3}
+
+        def encode_continuation(self, text):
+            return [self.ids[w] for w in text.replace(" ", " ▁").split(" ") if w]
+
+    assert bad_word_token_ids(Words(), ("x", " y"), 10) == ((1,), (2,), (3,))
+    with pytest.raises(ValueError, match="outside the vocabulary of 2"):
+        bad_word_token_ids(Words(), ("x",), 2)

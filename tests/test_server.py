@@ -100,9 +100,10 @@ def test_fields_at_values_that_change_nothing_are_accepted(served, http):
     assert out.status_code == 200 and out.json()["choices"][0]["text"] == served[2]["completions"][0].outputs[0].text
 
 
-def test_truncate_prompt_tokens_and_allowed_token_ids(served, http):
+def test_truncate_prompt_tokens_allowed_token_ids_and_bad_words(served, http):
     """vLLM's fields, served: the last k prompt tokens (usage counts them; the text is that of those tokens given
-    alone), in completions and chat; only the allowed ids are generated (logprobs name each sampled token)."""
+    alone), in completions and chat; only the allowed ids are generated (logprobs name each sampled token); a bad
+    word is not."""
     ids = http.post("/tokenize", json={"prompt": PROMPTS[0]}).json()["tokens"]
     body = {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "truncate_prompt_tokens": 3}
     cut = http.post("/v1/completions", json=body).json()
@@ -116,6 +117,10 @@ def test_truncate_prompt_tokens_and_allowed_token_ids(served, http):
                                              "return_tokens_as_token_ids": True}).json()
     tokens = [int(t.removeprefix("token_id:")) for t in out["choices"][0]["logprobs"]["tokens"]]
     assert len(tokens) == 6 and set(tokens) <= set(allowed)
+    paris = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+    assert "Paris" in http.post("/v1/completions", json=paris).json()["choices"][0]["text"]
+    banned = http.post("/v1/completions", json={**paris, "bad_words": ["Paris"]}).json()["choices"][0]["text"]
+    assert banned and "Paris" not in banned
 
 
 def test_the_stop_string_kept_in_the_text_streamed_or_not(served, http):

@@ -16,7 +16,7 @@ from oasiskv.config import EngineConfig
 from oasiskv.sampling_params import SamplingParams, is_integer
 from oasiskv.distributed.launch import start_tensor_parallel
 from oasiskv.distributed.setup import attach_score_combiner, shard_for_rank
-from oasiskv.engine.penalties import TokenHistory
+from oasiskv.engine.penalties import TokenHistory, bad_word_token_ids, banned_by_bad_words
 from oasiskv.engine.request import Request
 from oasiskv.engine.cuda_graph import DecodeGraphs
 from oasiskv.engine.overlap import InFlight, resolve_async_scheduling
@@ -252,10 +252,11 @@ class LLMEngine:
         if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab:
             raise ValueError(f"allowed_token_ids must be below the vocabulary size {vocab}, "
                              f"got {max(params.allowed_token_ids)}")
+        bad_words = bad_word_token_ids(self.tokenizer, params.bad_words, vocab) if params.bad_words else ()
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        req = Request(rid, text, ids, params)
+        req = Request(rid, text, ids, params, bad_word_ids=bad_words)
         self.scheduler.add(req)
         self.requests[rid] = req
         if params.reads_history:
@@ -392,6 +393,8 @@ class LLMEngine:
         p, banned = req.params, ()
         if len(req.output_token_ids) < p.min_tokens:
             banned = tuple(p.stop_token_ids or ()) + (() if p.ignore_eos else tuple(self.eos_token_ids))
+        if req.bad_word_ids:
+            banned += banned_by_bad_words(req.bad_word_ids, req.output_token_ids)
         return TokenHistory(req.prompt_token_ids, req.output_token_ids, banned)
 
     def land(self) -> list[Request]:

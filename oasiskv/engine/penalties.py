@@ -5,7 +5,9 @@ the draw (greedy requests included, as in vLLM).
   the output has its logit divided by r where positive, multiplied by r where negative;
 - frequency_penalty f and presence_penalty p (OpenAI's rule): logit -= f * (times the id occurs in the output)
   + p * (1 if it occurs in the output at all);
-- min_tokens: while the output is shorter, EOS and the stop token ids cannot be drawn (their logits are -inf).
+- min_tokens: while the output is shorter, EOS and the stop token ids cannot be drawn (their logits are -inf);
+- bad_words: a word's last token cannot be drawn where the output ends with the word's other tokens (one-token words
+  never); each word is tokenized as it is and, where that gives other tokens of the same count, after a space.
 
 The engine hands each such request's ids over as a TokenHistory (plain ints); a request's prompt mask is built once
 and kept by the sampler (Sampler.prompt_seen)."""
@@ -60,3 +62,26 @@ def apply_penalties(logits: torch.Tensor, history: TokenHistory, params: Samplin
     if banned:
         logits[torch.tensor(banned, dtype=torch.long, device=device)] = float("-inf")
     return logits
+
+
+def bad_word_token_ids(tokenizer, words: tuple[str, ...], vocab: int) -> tuple[tuple[int, ...], ...]:
+    """vLLM's tokenization of bad_words: each word's ids without special tokens, and, as a second entry, its ids
+    after a space where those start with another token and are as many (the word inside a text, for tokenizers that
+    mark a word's start)."""
+    out = []
+    for word in words:
+        bare = tuple(tokenizer.encode_continuation(word.lstrip()))
+        spaced = tuple(tokenizer.encode_continuation(" " + word.lstrip()))
+        out += [ids for ids in (bare, spaced if spaced and bare and spaced[0] != bare[0] and len(spaced) == len(bare)
+                                else ()) if ids]
+    bad = sorted({t for ids in out for t in ids if not 0 <= t < vocab})
+    if bad:
+        raise ValueError(f"bad_words tokenize to ids outside the vocabulary of {vocab}: {bad[:5]}")
+    return tuple(out)
+
+
+def banned_by_bad_words(word_ids: tuple[tuple[int, ...], ...], output: list[int]) -> tuple[int, ...]:
+    """The ids that would complete a bad word after this output (its other tokens end the output)."""
+    return tuple(ids[-1] for ids in word_ids
+                 if len(ids) <= len(output) + 1 and tuple(output[len(output) - len(ids) + 1:]) == ids[:-1])
+

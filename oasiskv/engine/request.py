@@ -32,6 +32,7 @@ class Request:
     stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string that finished it
     output_text: str = ""
     text_context: list[int] | None = None  # the prompt tokens its text is decoded after (engine/stopping.py)
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()  # its params' bad_words, tokenized (engine/penalties.py)
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None

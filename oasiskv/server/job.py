@@ -34,7 +34,8 @@ def sampling_params(body: SamplingFields, max_tokens: int, choice: int, defaults
             seed=None if body.seed in (None, -1) else body.seed + choice, stop=stop or None,
             stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, min_tokens=body.min_tokens, logit_bias=body.logit_bias or None,
-            include_stop_str_in_output=body.include_stop_str_in_output, allowed_token_ids=body.allowed_token_ids)
+            include_stop_str_in_output=body.include_stop_str_in_output, allowed_token_ids=body.allowed_token_ids,
+            bad_words=body.bad_words)
     except ValueError as e:
         raise APIError(str(e), param=field_named(str(e))) from e
 
@@ -54,7 +55,7 @@ def field_named(message: str) -> str | None:
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop", "min_tokens",
                    "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                   "allowed_token_ids")
+                   "allowed_token_ids", "bad_words")
 
 
 def truncated_prompt(body: SamplingFields, ids: list[int], max_model_len: int) -> list[int]:

@@ -103,6 +103,7 @@ class SamplingFields(BaseModel):
     best_of: int | None = None  # vLLM's; only best_of == n (or unset) is served
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens as `token_id:N`
     allowed_token_ids: list[StrictInt] | None = None  # vLLM's: only these can be sampled
+    bad_words: list[str] | None = None  # vLLM's: words the output may not contain
     truncate_prompt_tokens: int | None = None  # vLLM's: the prompt's last k tokens (-1: max_model_len)
 
 
