@@ -23,7 +23,7 @@ class Logprob:
 
     logprob: float
     rank: int
-    decoded_token: str
+    decoded_token: str | None
 
 
 @dataclass
@@ -275,16 +275,18 @@ class LLM:
             sampler = self._logprob_sampler()
             for choice, rid in zip(out.outputs, group):
                 taken = sampler.take(rid)
-                choice.logprobs = [self._logprob_dict(lp) for lp in taken]
+                choice.logprobs = [self._logprob_dict(lp, sp.detokenize) for lp in taken]
                 choice.cumulative_logprob = sum(lp.logprob for lp in taken)
         if sp.prompt_logprobs is not None:
             found = prompt_logprobs(self.engine.model, out.prompt_token_ids, sp.prompt_logprobs, self.engine.device)
-            out.prompt_logprobs = [None if lp is None else self._logprob_dict(lp) for lp in found]
+            out.prompt_logprobs = [None if lp is None else self._logprob_dict(lp, sp.detokenize) for lp in found]
 
-    def _logprob_dict(self, lp: TokenLogprob) -> dict[int, Logprob]:
+    def _logprob_dict(self, lp: TokenLogprob, detokenize: bool = True) -> dict[int, Logprob]:
         """vLLM's shape: the token itself first, then the top k (a token in both is listed once). Each token's text
-        is vLLM's decoded_token: the token decoded alone, special tokens kept (the engine's decode drops them)."""
-        text = self.get_tokenizer().decode
+        is vLLM's decoded_token: the token decoded alone, special tokens kept (the engine's decode drops them); None
+        without detokenize."""
+        decode = self.get_tokenizer().decode
+        text = decode if detokenize else (lambda ids: None)
         out = {lp.token_id: Logprob(lp.logprob, lp.rank, text([lp.token_id]))}
         for rank, (token, value) in enumerate(lp.top, start=1):
             out.setdefault(token, Logprob(value, rank, text([token])))

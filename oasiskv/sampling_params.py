@@ -45,7 +45,7 @@ def left_truncated(prompt_ids: list[int], size: int | None, max_model_len: int) 
     return prompt_ids[-(max_model_len if size == -1 else size):]
 
 
-VLLM_ONLY_FIELDS = {"skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "detokenize": (True,)}
+VLLM_ONLY_FIELDS = {"spaces_between_special_tokens": (True,)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,18 +77,18 @@ class SamplingParams:
     # the same for each prompt token (RequestOutput.prompt_logprobs); raw logprobs, before penalties and temperature
     logprobs: int | None = None
     prompt_logprobs: int | None = None
-    # vLLM's fields this engine does not honour, at the values that change nothing (VLLM_ONLY_FIELDS); another value
-    # is refused by name, not ignored. best_of may equal n
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    detokenize: bool = True
-    best_of: int | None = None
+    skip_special_tokens: bool = True  # False: the text keeps the special tokens' text (EOS, chat markers)
+    detokenize: bool = True  # False: no text at all (token ids only, so no stop strings), as vLLM
     # vLLM's: words the output may not contain (engine/penalties.py: bad_word_token_ids); kept as a tuple
     bad_words: tuple[str, ...] | list[str] | None = None
     # vLLM's: only these tokens can be sampled (the others' logits are -inf before everything else); kept as a tuple
     allowed_token_ids: tuple[int, ...] | list[int] | None = None
     # vLLM's: the prompt's last k tokens only (left truncation); -1: the last --max-model-len
     truncate_prompt_tokens: int | None = None
+    # vLLM's fields this engine does not honour, at the values that change nothing (VLLM_ONLY_FIELDS); another value
+    # is refused by name, not ignored. best_of may equal n
+    spaces_between_special_tokens: bool = True
+    best_of: int | None = None
 
     def __post_init__(self):
         # vLLM's spellings: top_k 0 is off as -1 is, seed -1 is no seed, logprobs True is the sampled token's and 1
@@ -146,9 +146,11 @@ class SamplingParams:
         if self.seed is not None and is_integer(self.n) and self.seed + self.n - 1 >= SEED_RANGE[1]:
             raise ValueError(f"seed {self.seed} with n {self.n}: choice i is seeded seed + i, so seed must be below "
                              f"2**64 - {self.n - 1}")
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need the text: detokenize=False leaves none (use stop_token_ids)")
         if not math.isfinite(self.temperature) or not math.isfinite(self.top_p):
             raise ValueError(f"temperature and top_p must be finite, got {self.temperature}, {self.top_p}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -180,6 +180,25 @@ def test_allowed_token_ids_are_the_only_tokens_generated(smollm_llm):
         smollm_llm.generate("x", SamplingParams(allowed_token_ids=[1, 10 ** 7]), use_tqdm=False)
 
 
+def test_special_tokens_kept_in_the_text_and_no_text_without_detokenize(smollm_llm, smollm_hf_tokenizer):
+    """vLLM's skip_special_tokens=False: the text is transformers' decode of prompt + output with the special tokens
+    kept, less the prompt's (here the output is <|im_start|> three times, forced by a logit_bias); detokenize=False:
+    the same ids, no text, logprobs without token text, and stop strings refused."""
+    prompt = smollm_hf_tokenizer.encode("Hello there")
+    forced = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logit_bias={1: 100}, logprobs=1)
+    skipped, kept, bare = smollm_llm.generate([prompt] * 3, [
+        forced, dataclasses.replace(forced, skip_special_tokens=False), dataclasses.replace(forced, detokenize=False)],
+        use_tqdm=False)
+    assert skipped.outputs[0].token_ids == kept.outputs[0].token_ids == bare.outputs[0].token_ids == [1, 1, 1]
+    whole = smollm_hf_tokenizer.decode(prompt + [1, 1, 1], skip_special_tokens=False)
+    before = smollm_hf_tokenizer.decode(prompt, skip_special_tokens=False)
+    assert kept.outputs[0].text == whole[len(before):] == "<|im_start|>" * 3 and skipped.outputs[0].text == ""
+    assert bare.outputs[0].text == "" and bare.outputs[0].logprobs[0][1].decoded_token is None
+    assert kept.outputs[0].logprobs[0][1].decoded_token == "<|im_start|>"
+    with pytest.raises(ValueError, match="stop strings need the text"):
+        SamplingParams(stop=["x"], detokenize=False)
+
+
 def test_bad_words_never_complete_in_the_output(smollm_llm):
     """vLLM's bad_words: a one-token word (as it is and after a space) is never drawn, as a -100 logit_bias on both
     ids gives; a two-token word's second token is never drawn after its first, so the output equals the free one up

@@ -333,7 +333,8 @@ def test_sampling_params_defaults_and_normalisation():
     taken = SamplingParams(n=2, best_of=2, seed=1, skip_special_tokens=True, detokenize=True, bad_words=[])
     assert taken.bad_words is None and SamplingParams(bad_words=["a b"]).bad_words == ("a b",)
     assert hash(taken) and [c.seed for c in taken.choices()] == [1, 2]
-    for field, value in [("skip_special_tokens", False), ("detokenize", False), ("bad_words", "x"), ("best_of", 3),
+    for field, value in [("spaces_between_special_tokens", False), ("bad_words", "x"), ("best_of", 3),
+                         ("skip_special_tokens", "no"), ("detokenize", 0),
                          ("allowed_token_ids", []), ("allowed_token_ids", [-1]), ("allowed_token_ids", "ab"),
                          ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", -2), ("truncate_prompt_tokens", 1.5)]:
         with pytest.raises(ValueError, match=f"{field}"):

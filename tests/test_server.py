@@ -100,10 +100,10 @@ def test_fields_at_values_that_change_nothing_are_accepted(served, http):
     assert out.status_code == 200 and out.json()["choices"][0]["text"] == served[2]["completions"][0].outputs[0].text
 
 
-def test_truncate_prompt_tokens_allowed_token_ids_and_bad_words(served, http):
+def test_vllms_truncate_allowed_bad_words_and_special_tokens_fields(served, http):
     """vLLM's fields, served: the last k prompt tokens (usage counts them; the text is that of those tokens given
     alone), in completions and chat; only the allowed ids are generated (logprobs name each sampled token); a bad
-    word is not."""
+    word is not; skip_special_tokens False keeps a special token's text, whole or streamed."""
     ids = http.post("/tokenize", json={"prompt": PROMPTS[0]}).json()["tokens"]
     body = {"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0, "truncate_prompt_tokens": 3}
     cut = http.post("/v1/completions", json=body).json()
@@ -121,6 +121,10 @@ def test_truncate_prompt_tokens_allowed_token_ids_and_bad_words(served, http):
     assert "Paris" in http.post("/v1/completions", json=paris).json()["choices"][0]["text"]
     banned = http.post("/v1/completions", json={**paris, "bad_words": ["Paris"]}).json()["choices"][0]["text"]
     assert banned and "Paris" not in banned
+    forced = {**paris, "max_tokens": 2, "logit_bias": {"1": 100}, "skip_special_tokens": False}
+    assert http.post("/v1/completions", json=forced).json()["choices"][0]["text"] == "<|im_start|>" * 2
+    streamed = http.post("/v1/completions", json={**forced, "stream": True})
+    assert "".join(e["choices"][0]["text"] for e in sse_events(streamed) if e["choices"]) == "<|im_start|>" * 2
 
 
 def test_the_stop_string_kept_in_the_text_streamed_or_not(served, http):

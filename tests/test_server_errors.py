@@ -103,6 +103,7 @@ BAD_COMPLETIONS = [  # (name, body: dict, raw bytes, or a function of the server
     ("empty allowed_token_ids", {"prompt": "hi", "allowed_token_ids": []}, 400),
     ("truncate_prompt_tokens zero", {"prompt": "hi", "truncate_prompt_tokens": 0}, 400),
     ("bad_words not a list", {"prompt": "hi", "bad_words": "x"}, 400),
+    ("detokenize false", {"prompt": "hi", "detokenize": False}, 400),
     ("truncate_prompt_tokens beyond the model", lambda state: {"prompt": "hi",
                                                                "truncate_prompt_tokens": state.max_model_len + 1}, 400),
 ]
@@ -124,6 +125,7 @@ PARAMS = {"token id out of range": "prompt", "echoed token id out of range": "pr
           "logit_bias beyond the vocabulary": "logit_bias", "min_tokens above max_tokens": "min_tokens",
           "allowed_token_ids beyond the vocabulary": "allowed_token_ids", "empty allowed_token_ids": "allowed_token_ids",
           "truncate_prompt_tokens zero": "truncate_prompt_tokens", "bad_words not a list": "bad_words",
+          "detokenize false": "detokenize",
           "truncate_prompt_tokens beyond the model": "truncate_prompt_tokens",
           "min_p above 1": "min_p", "seed beyond torch's range": "seed",
           "top_logprobs without logprobs": "top_logprobs",

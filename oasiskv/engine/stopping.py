@@ -16,10 +16,12 @@ class StopRules:
         self.tokenizer, self.eos_token_ids, self.max_model_len = tokenizer, eos_token_ids, max_model_len
 
     def text(self, req: Request, ids: list[int]) -> str:
-        """ids' text as a continuation of the request's prompt."""
+        """ids' text as a continuation of the request's prompt ("" with detokenize False, as vLLM gives it)."""
+        if not req.params.detokenize:
+            return ""
         if req.text_context is None:
             req.text_context = self.tokenizer.text_context(req.prompt_token_ids)
-        return self.tokenizer.decode_after(req.text_context, ids)
+        return self.tokenizer.decode_after(req.text_context, ids, req.params.skip_special_tokens)
 
     def final_text(self, req: Request, reason: str) -> str:
         """The text of a request that stopped for `reason` (a stop string's cut is made by `reason`)."""
@@ -65,5 +67,5 @@ class StopRules:
         window = max(STOP_WINDOW_TOKENS, 8 * max(map(len, req.params.stop)))
         if len(req.output_token_ids) <= window:
             return True
-        tail = self.tokenizer.decode(req.output_token_ids[-window:])
+        tail = self.tokenizer.decode(req.output_token_ids[-window:], req.params.skip_special_tokens)
         return any(s in tail for s in req.params.stop)

@@ -34,19 +34,19 @@ class HFTokenizer:
         """Ids of text that follows other ids (no BOS or other special tokens added)."""
         return list(self.hf.encode(text, add_special_tokens=False))
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def decode_after(self, context: Sequence[int], ids: Sequence[int]) -> str:
+    def decode_after(self, context: Sequence[int], ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of ids as a continuation of the prompt, as vLLM's incremental detokenizer gives it: decoded
         after the prompt's last tokens (`context`, from text_context), whose own text is then cut off. Decoded
         alone, a SentencePiece token's word-start marker at the beginning is dropped (" Paris" came out "Paris");
-        byte-level BPE gives the same text either way."""
+        byte-level BPE gives the same text either way. skip_special_tokens False keeps the special tokens' text."""
         if not context:
-            return self.decode(ids)
-        before = self.decode(context)
-        whole = self.decode(list(context) + list(ids))
-        return whole[len(before):] if whole.startswith(before) else self.decode(ids)
+            return self.decode(ids, skip_special_tokens)
+        before = self.decode(context, skip_special_tokens)
+        whole = self.decode(list(context) + list(ids), skip_special_tokens)
+        return whole[len(before):] if whole.startswith(before) else self.decode(ids, skip_special_tokens)
 
     def text_context(self, prompt_ids: Sequence[int]) -> list[int]:
         """The prompt tokens an output is decoded after (once per request): the last 4 to 24, the fewest that
@@ -84,7 +84,7 @@ class ByteTokenizer:
 
     encode_continuation = encode  # bytes add no special tokens
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:  # (bytes have no special tokens)
         out, pending = [], bytearray()
         for i in ids:
             if 0 <= i < 256:
@@ -99,7 +99,7 @@ class ByteTokenizer:
     def text_context(self, prompt_ids: Sequence[int]) -> list[int]:
         return []  # bytes: no token's text depends on what comes before it
 
-    def decode_after(self, context: Sequence[int], ids: Sequence[int]) -> str:
+    def decode_after(self, context: Sequence[int], ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.decode(ids)
 
     def apply_chat_template(self, messages: list[dict], chat_template: str | None = None,

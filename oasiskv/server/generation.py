@@ -71,7 +71,7 @@ class TextStream:
 
     def push(self, token_ids: list[int]) -> str:
         self.ids += token_ids
-        text = self.tokenizer.decode_after(self.context, self.ids)
+        text = self.tokenizer.decode_after(self.context, self.ids, self.params.skip_special_tokens)
         safe = len(text) - self.holdback - (1 if text.endswith("\ufffd") else 0)
         delta = text[self.sent:safe] if safe > self.sent else ""
         self.sent += len(delta)
@@ -80,7 +80,7 @@ class TextStream:
     def finish(self, token_ids: list[int], out: Output) -> tuple[str, str | int | None]:
         """The last delta (from the engine's final text) and vLLM's stop_reason."""
         self.ids += token_ids
-        full = self.tokenizer.decode_after(self.context, self.ids)
+        full = self.tokenizer.decode_after(self.context, self.ids, self.params.skip_special_tokens)
         final = full if out.text is None or out.finish_reason == "abort" else out.text
         delta, self.sent = final[self.sent:], len(final)
         # the engine's own: the stop string it cut the text at (the earliest), the stop token; None for EOS

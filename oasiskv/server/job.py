@@ -35,7 +35,7 @@ def sampling_params(body: SamplingFields, max_tokens: int, choice: int, defaults
             stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty, min_tokens=body.min_tokens, logit_bias=body.logit_bias or None,
             include_stop_str_in_output=body.include_stop_str_in_output, allowed_token_ids=body.allowed_token_ids,
-            bad_words=body.bad_words)
+            bad_words=body.bad_words, skip_special_tokens=body.skip_special_tokens)
     except ValueError as e:
         raise APIError(str(e), param=field_named(str(e))) from e
 

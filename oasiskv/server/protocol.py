@@ -59,8 +59,8 @@ UNSUPPORTED_FIELDS = {
     "length_penalty": (None, 1, 1.0), "chat_template": (None,),
     "priority": (None, 0), "documents": (None, []), "reasoning_effort": (None,), "mm_processor_kwargs": (None, {}),
     "prompt_embeds": (None,), "echo": (None, False),  # (completions declare echo; chat's is the extra)
-    # SamplingParams' own: skip_special_tokens, detokenize, bad_words, ... at the values that change nothing
-    **{name: (None, *neutral) for name, neutral in VLLM_ONLY_FIELDS.items()},
+    # SamplingParams' own at the values that change nothing (detokenize: a response is text)
+    **{name: (None, *neutral) for name, neutral in VLLM_ONLY_FIELDS.items()}, "detokenize": (None, True),
 }
 
 
@@ -104,6 +104,7 @@ class SamplingFields(BaseModel):
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens as `token_id:N`
     allowed_token_ids: list[StrictInt] | None = None  # vLLM's: only these can be sampled
     bad_words: list[str] | None = None  # vLLM's: words the output may not contain
+    skip_special_tokens: bool = True  # vLLM's: False keeps the special tokens' text
     truncate_prompt_tokens: int | None = None  # vLLM's: the prompt's last k tokens (-1: max_model_len)
 
 
