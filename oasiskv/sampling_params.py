@@ -101,6 +101,13 @@ class SamplingParams:
         if self.bad_words is not None:  # (lists would make the params unhashable)
             if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) for w in self.bad_words):
                 raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}")
+            if not all(self.bad_words):  # (it would ban every token after any output, as vLLM says)
+                raise ValueError("bad_words cannot contain an empty string")
+            for word in self.bad_words:  # a lone surrogate (JSON's \ud800) is a str no tokenizer takes
+                try:
+                    word.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise ValueError(f"bad_words must be valid Unicode: {e.reason} in {word!r}") from None
             object.__setattr__(self, "bad_words", tuple(self.bad_words) or None)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))

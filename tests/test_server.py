@@ -68,6 +68,17 @@ def test_models_health_and_tokenizer_endpoints(served, http):
     special = "<|im_start|>user\nhi<|im_end|>"  # special tokens round-trip, as vLLM's /detokenize keeps them
     ids = http.post("/tokenize", json={"prompt": special}).json()["tokens"]
     assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == special
+    # vLLM's token_strs: the vocabulary's spelling (byte-level BPE's "Ġ" for a space), not each token's text
+    strs = http.post("/tokenize", json={"prompt": " Alex went", "return_token_strs": True}).json()["token_strs"]
+    assert strs == state.tokenizer.hf.convert_ids_to_tokens(state.tokenizer.hf(" Alex went")["input_ids"])
+    assert strs[0] == "ĠAlex"
+    # an echoed prompt of ids keeps its special tokens' text, so text and text_offset agree (vLLM's echo)
+    echo = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 1, "temperature": 0, "echo": True,
+                                              "logprobs": 0}).json()["choices"][0]
+    tokens, offsets = echo["logprobs"]["tokens"], echo["logprobs"]["text_offset"]
+    assert echo["text"].startswith(special) and "".join(tokens[:len(ids)]) == special
+    assert all(echo["text"][at:at + len(t)] == t for at, t in zip(offsets, tokens))
+    assert http.get("/v1/completions").json()["error"]["type"] == "MethodNotAllowedError"
     assert http.get("/version").json()["version"]
 
 
@@ -245,6 +256,24 @@ def test_streamed_completion_chunks_and_usage(served, http):
     assert last["choices"] == [] and last["usage"]["completion_tokens"] == 8
     alone = sse_events(http.post("/v1/completions", json={**body, "stream_options": {"continuous_usage_stats": True}}))
     assert len(alone) == 8 and all("usage" not in c for c in alone)  # vLLM's: only together with include_usage
+
+
+def test_continuous_usage_is_each_choices_own(served, http):
+    """vLLM's continuous usage stats: a chunk carries its choice's prompt and that choice's tokens so far (they
+    were the sums over every prompt and choice); the last chunk sums them. Two prompts of other lengths, n 2."""
+    _, state, _ = served
+    prompts = ["Hi", "Hello there my friend"]
+    lengths = [len(state.tokenizer.hf(p)["input_ids"]) for p in prompts]
+    body = {"prompt": prompts, "n": 2, "max_tokens": 3, "temperature": 0.7, "seed": 1, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    *chunks, last = sse_events(http.post("/v1/completions", json=body))
+    seen = {}
+    for c in chunks:
+        index = c["choices"][0]["index"]
+        seen[index] = seen.get(index, 0) + 1
+        assert c["usage"]["prompt_tokens"] == lengths[index // 2] and c["usage"]["completion_tokens"] == seen[index]
+    assert seen == {0: 3, 1: 3, 2: 3, 3: 3}
+    assert last["usage"] == {"prompt_tokens": sum(lengths), "completion_tokens": 12, "total_tokens": sum(lengths) + 12}
 
 
 def test_chat_completion_and_its_stream(served, client):

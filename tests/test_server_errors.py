@@ -103,6 +103,14 @@ BAD_COMPLETIONS = [  # (name, body: dict, raw bytes, or a function of the server
     ("empty allowed_token_ids", {"prompt": "hi", "allowed_token_ids": []}, 400),
     ("truncate_prompt_tokens zero", {"prompt": "hi", "truncate_prompt_tokens": 0}, 400),
     ("bad_words not a list", {"prompt": "hi", "bad_words": "x"}, 400),
+    # a lone surrogate reached the tokenizer, whose TypeError was a 500
+    ("bad word with a lone surrogate", b'{"prompt": "hi", "max_tokens": 2, "bad_words": ["\\ud800"]}', 400),
+    ("empty bad word", {"prompt": "hi", "bad_words": [""]}, 400),
+    # vLLM refuses empty stop strings; they were dropped
+    ("empty stop string", {"prompt": "hi", "stop": ""}, 400),
+    ("empty stop string in a list", {"prompt": "hi", "stop": ["", "x"]}, 400),
+    # the key's id is read as SamplingParams reads it (" 7" is 7): its range error named the prompt
+    ("logit_bias key with a space beyond the vocabulary", {"prompt": "hi", "logit_bias": {" 99999999": 5}}, 400),
     ("detokenize false", {"prompt": "hi", "detokenize": False}, 400),
     ("truncate_prompt_tokens beyond the model", lambda state: {"prompt": "hi",
                                                                "truncate_prompt_tokens": state.max_model_len + 1}, 400),
@@ -125,6 +133,8 @@ PARAMS = {"token id out of range": "prompt", "echoed token id out of range": "pr
           "logit_bias beyond the vocabulary": "logit_bias", "min_tokens above max_tokens": "min_tokens",
           "allowed_token_ids beyond the vocabulary": "allowed_token_ids", "empty allowed_token_ids": "allowed_token_ids",
           "truncate_prompt_tokens zero": "truncate_prompt_tokens", "bad_words not a list": "bad_words",
+          "bad word with a lone surrogate": "bad_words", "empty bad word": "bad_words", "empty stop string": "stop",
+          "empty stop string in a list": "stop", "logit_bias key with a space beyond the vocabulary": "logit_bias",
           "detokenize false": "detokenize",
           "truncate_prompt_tokens beyond the model": "truncate_prompt_tokens",
           "min_p above 1": "min_p", "seed beyond torch's range": "seed",

@@ -48,6 +48,12 @@ class ServerState:
             self.token_strs[token_id] = self.decode_with_specials([token_id])
         return self.token_strs[token_id]
 
+    def vocabulary_strs(self, ids: list[int]) -> list[str]:
+        """The tokens as the vocabulary spells them (byte-level BPE's "Ġ" for a space), as vLLM's /tokenize gives
+        them; a tokenizer without a vocabulary (bytes) gives each token's text."""
+        hf = getattr(self.tokenizer, "hf", None)
+        return hf.convert_ids_to_tokens(ids) if hf is not None else [self.token_str(t) for t in ids]
+
     def decode_with_specials(self, ids: list[int]) -> str:
         """The text of `ids` with special tokens kept (the engine's decode drops them from generated text)."""
         hf = getattr(self.tokenizer, "hf", None)
@@ -142,7 +148,7 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     async def tokenize(body: TokenizeRequest):
         state.check_model(body.model)
         tokens = tokenize_request(body, state.tokenizer)
-        strs = [state.token_str(t) for t in tokens] if body.return_token_strs else None
+        strs = state.vocabulary_strs(tokens) if body.return_token_strs else None
         return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens, "token_strs": strs}
 
     @app.post("/detokenize")

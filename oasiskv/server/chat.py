@@ -67,7 +67,7 @@ class ChatJob(GenerationJob):
                 yield self.chunk([{"index": i, "delta": {"content": self.echo}, "logprobs": None,
                                    "finish_reason": None}])
         async for d in self.deltas():
-            self.generated += len(d.token_ids)
+            self.count_streamed(d.index, d.token_ids)
             delta = {"content": d.text} if d.text or not d.finish_reason else {}
             yield self.chunk([{"index": d.index, "delta": delta, "logprobs": self.logprobs(d.logprobs),
                                "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}])

@@ -72,8 +72,12 @@ class CompletionJob(GenerationJob):
             self.sub = await Submission.start(self.state.loop, prompts, self.params, self.body.logprobs,
                                               self.body.kv_transfer_params)
 
+    def prompt_tokens_of(self, index: int) -> int:
+        return len(self.prompts[index // self.n][1])
+
     async def echo_of(self, text: str | None, ids: list[int]) -> tuple[str, list]:
-        text = self.state.tokenizer.decode(ids) if text is None else text
+        # ids alone (or cut by truncate_prompt_tokens): their text with special tokens, as vLLM's echo decodes them
+        text = self.state.decode_with_specials(ids) if text is None else text
         logprobs = await self.state.loop.prompt_logprobs(ids, self.body.logprobs) if self.wants_logprobs else []
         return text, logprobs
 
@@ -106,7 +110,7 @@ class CompletionJob(GenerationJob):
     async def chunks(self):
         started = set()
         async for d in self.deltas():
-            self.generated += len(d.token_ids)
+            self.count_streamed(d.index, d.token_ids)
             yield self.chunk([self.choice_json(d.index, d.text, d.token_ids, d.logprobs, d.finish_reason,
                                                d.stop_reason, d.index not in started)])
             started.add(d.index)

@@ -9,7 +9,7 @@ from typing import AsyncIterator
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from oasiskv.config import SamplingParams
-from oasiskv.sampling_params import left_truncated
+from oasiskv.sampling_params import bias_pairs, left_truncated
 from oasiskv.models.generation_config import DEFAULTED
 from oasiskv.server.generation import ChoiceDelta, Submission, choice_deltas, collect_choices
 from oasiskv.server.protocol import (UNSUPPORTED_FIELDS, APIError, SamplingFields, error_body, new_id, now, sse,
@@ -24,7 +24,7 @@ def sampling_params(body: SamplingFields, max_tokens: int, choice: int, defaults
     """vLLM's defaults and conventions: a field the request leaves out takes the model's default (its
     generation_config.json: `defaults`), else the neutral value; top_k 0 or -1 is off; seed -1 is no seed;
     choice i of n > 1 is seeded seed + i."""
-    stop = [s for s in ([body.stop] if isinstance(body.stop, str) else body.stop or []) if s]
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
     given = {name: getattr(body, name) for name in NEUTRAL if getattr(body, name) is not None}
     chosen = {**NEUTRAL, **{k: v for k, v in (defaults or {}).items() if k in NEUTRAL}, **given}
     try:
@@ -127,9 +127,12 @@ class GenerationJob:
         if state.disagg is not None and state.disagg.name == "prefill" and body.stream and body.kv_transfer_params:
             raise APIError("a prefill for remote decode cannot stream: its kv_transfer_params come in the JSON "
                            "response", param="stream")
-        if body.logit_bias:
-            check_token_ids([int(t) for t in body.logit_bias if t.isascii() and t.isdigit()],  # ('²'.isdigit())
-                            state.engine.model_config.vocab_size, "logit_bias")
+        if body.logit_bias:  # the ids as SamplingParams reads them (" 7" is 7), checked before the engine sees them
+            try:
+                ids = [token for token, _ in bias_pairs(body.logit_bias)]
+            except ValueError as e:
+                raise APIError(str(e), param="logit_bias") from e
+            check_token_ids(ids, state.engine.model_config.vocab_size, "logit_bias")
         if body.allowed_token_ids:
             check_token_ids(body.allowed_token_ids, state.engine.model_config.vocab_size, "allowed_token_ids")
         self.body, self.state = body, state
@@ -139,7 +142,7 @@ class GenerationJob:
         self.id, self.created = new_id(self.id_prefix), now()
         self.params: list[SamplingParams] = []
         self.sub: Submission | None = None
-        self.generated = 0  # tokens streamed so far
+        self.generated: dict[int, int] = {}  # tokens streamed so far, per choice index
 
     num_prompt_tokens = 0
 
@@ -154,6 +157,17 @@ class GenerationJob:
 
     def usage(self, generated: int) -> dict:
         return usage(self.num_prompt_tokens, generated)
+
+    def prompt_tokens_of(self, index: int) -> int:
+        """The prompt tokens of choice `index` (chat: one prompt for every choice)."""
+        return self.num_prompt_tokens
+
+    def choice_usage(self, index: int) -> dict:
+        """vLLM's continuous usage stats: choice `index`'s own prompt and its tokens so far."""
+        return usage(self.prompt_tokens_of(index), self.generated.get(index, 0))
+
+    def count_streamed(self, index: int, token_ids: list[int]) -> None:
+        self.generated[index] = self.generated.get(index, 0) + len(token_ids)
 
     def chunk(self, choices: list[dict], usage_block: dict | None = None) -> dict:
         out = {"id": self.id, "object": self.object_name, "created": self.created, "model": self.state.model_name,
@@ -185,10 +199,10 @@ class GenerationJob:
         try:
             async for payload in self.chunks():
                 if options and options.include_usage and options.continuous_usage_stats:  # vLLM needs both
-                    payload["usage"] = self.usage(self.generated)
+                    payload["usage"] = self.choice_usage(payload["choices"][0]["index"])
                 yield sse(payload)
             if options and options.include_usage:
-                yield sse(self.chunk([], self.usage(self.generated)))
+                yield sse(self.chunk([], self.usage(sum(self.generated.values()))))
         except APIError as e:
             yield sse(error_body(e.message, e.status, e.param))
         finally:

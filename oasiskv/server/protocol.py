@@ -21,8 +21,8 @@ class APIError(Exception):
         self.message, self.status, self.param = message, status, param
 
 
-ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError", 502: "BadGatewayError",
-               503: "ServiceUnavailableError"}
+ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError", 500: "InternalServerError",
+               502: "BadGatewayError", 503: "ServiceUnavailableError"}
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict:
