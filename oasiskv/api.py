@@ -194,7 +194,7 @@ class LLM:
         if not isinstance(prompts, (list, tuple)):
             raise ValueError("prompts: a string, a list of token ids, or a list of either; got "
                              f"{type(prompts).__name__}")
-        params = sampling_params or self.get_default_sampling_params()
+        params = self.get_default_sampling_params() if sampling_params is None else sampling_params
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
@@ -238,9 +238,12 @@ class LLM:
         # as vLLM: chat_template_kwargs override the named options (a key in both was a TypeError)
         options = {"chat_template": chat_template, "add_generation_prompt": add_generation_prompt,
                    "continue_final_message": continue_final_message, **(chat_template_kwargs or {})}
-        prompts = [self.tokenizer.apply_chat_template(chat_messages(conv, i), **options)
-                   for i, conv in enumerate(conversations)]
-        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
+        texts = [self.tokenizer.render_chat(chat_messages(conv, i), **options) for i, conv in enumerate(conversations)]
+        outputs = self.generate([self.tokenizer.encode_continuation(t) for t in texts], sampling_params, use_tqdm,
+                                lora_request)
+        for out, text in zip(outputs, texts):
+            out.prompt = text  # vLLM's: the rendered conversation
+        return outputs
 
     def _run(self, groups: list[list[str]], use_tqdm: bool) -> list[RequestOutput]:
         ids = [rid for g in groups for rid in g]

@@ -233,9 +233,9 @@ def cmd_generate(args) -> None:
             raise SystemExit(f"error: cannot read --prompt-file: {e}")
     llm = build_llm(args)
     params = sampling_params(args, llm.engine.generation.sampling)
-    if args.chat:
-        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     try:
+        if args.chat:
+            prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
         out = llm.generate(prompt, params, use_tqdm=False)[0]
     except ValueError as e:
         raise SystemExit(f"error: {e}")

@@ -81,7 +81,8 @@ class SamplingParams:
     detokenize: bool = True  # False: no text at all (token ids only, so no stop strings), as vLLM
     # vLLM's: words the output may not contain (engine/penalties.py: bad_word_token_ids); kept as a tuple
     bad_words: tuple[str, ...] | list[str] | None = None
-    # vLLM's: only these tokens can be sampled (the others' logits are -inf before everything else); kept as a tuple
+    # vLLM's: only these tokens can be sampled (the others' logits are -inf before everything else); kept as a tuple.
+    # Where min_tokens or bad_words would ban every one of them, the bans give way
     allowed_token_ids: tuple[int, ...] | list[int] | None = None
     # vLLM's: the prompt's last k tokens only (left truncation); -1: the last --max-model-len
     truncate_prompt_tokens: int | None = None

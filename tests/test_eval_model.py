@@ -162,6 +162,17 @@ def test_eval_rejects_a_context_beyond_the_model_before_loading_it(monkeypatch):
         main(["eval", "--quick", "--corpus", "sample", "--context", "1024,99999999", "--modes", "dense"])
 
 
+def test_eval_rejects_a_layer_beyond_the_model_before_loading_it(monkeypatch):
+    """--layer-weights was checked against 10^9 layers up front, so a layer past the model's was refused only after
+    the dense anchor had run (minutes), its results lost."""
+    from oasiskv.cli import main
+    from oasiskv.engine import engine
+
+    monkeypatch.setattr(engine, "load_model", lambda *a, **k: pytest.fail("weights loaded before the layers' check"))
+    with pytest.raises(SystemExit, match=r"--layer-weights names each layer once, each in \[0, 29\]"):
+        main(["eval", "--quick", "--corpus", "sample", "--modes", "quest", "--layer-weights", "99=2"])
+
+
 @pytest.mark.parametrize("flag, value", [("--samples", "0"), ("--windows", "0"), ("--context", "1024,0"),
                                          ("--scored", "-1")])
 def test_eval_rejects_empty_sizes_before_loading(monkeypatch, flag, value):

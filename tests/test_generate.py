@@ -199,6 +199,42 @@ def test_special_tokens_kept_in_the_text_and_no_text_without_detokenize(smollm_l
         SamplingParams(stop=["x"], detokenize=False)
 
 
+def test_bans_that_leave_no_allowed_token_give_way_to_allowed_token_ids(smollm_llm):
+    """min_tokens bans EOS, the one allowed id, and a bad word bans the other: every logit was -inf and id 0 (not
+    allowed) was drawn ([0, 0, 2]). The allowed ids win: EOS, which stops the request once min_tokens are out; the
+    banned word's id all along."""
+    only_eos = SamplingParams(temperature=0, max_tokens=4, allowed_token_ids=[2], min_tokens=2)
+    out = smollm_llm.generate("Hi", only_eos, use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason) == ([2, 2], "stop")
+    word = smollm_llm.get_tokenizer().decode([100])
+    only_word = SamplingParams(temperature=0, max_tokens=3, allowed_token_ids=[100], bad_words=[word])
+    assert smollm_llm.generate("Hi", only_word, use_tqdm=False)[0].outputs[0].token_ids == [100] * 3
+
+
+def test_an_unfinished_character_is_left_out_of_the_text(smollm_llm, smollm_hf_tokenizer):
+    """The length limit cut a multi-byte character: the text ended in U+FFFD, which vLLM's detokenizer never shows.
+    The reference is transformers' decode of prompt + output, less the prompt's text and the replacement chars."""
+    prompt = smollm_hf_tokenizer.encode("日本の首都は")
+    out = smollm_llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0].outputs[0]
+    whole = smollm_hf_tokenizer.decode(prompt + out.token_ids)
+    assert whole.endswith("\ufffd")  # (the case: this output stops inside a character)
+    assert out.text == whole[len(smollm_hf_tokenizer.decode(prompt)):].rstrip("\ufffd") and out.text
+
+
+def test_chat_reports_the_rendered_prompt_and_template_errors_clearly(smollm_llm, smollm_hf_tokenizer):
+    """vLLM's: RequestOutput.prompt is the rendered conversation (it was None); a template that fails is a ValueError
+    naming the cause (jinja2's own errors escaped), and a reserved template option is refused by name."""
+    messages = [{"role": "user", "content": "Hi"}]
+    out = smollm_llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert out.prompt == smollm_hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    with pytest.raises(ValueError, match="the chat template failed: TemplateSyntaxError"):
+        smollm_llm.chat(messages, chat_template="{% for m in messages %}", use_tqdm=False)
+    with pytest.raises(ValueError, match="chat_template_kwargs cannot set tokenize"):
+        smollm_llm.chat(messages, chat_template_kwargs={"tokenize": True}, use_tqdm=False)
+    with pytest.raises(ValueError, match="1 prompts but 0 sampling params"):  # (an empty list meant the defaults)
+        smollm_llm.generate(["Hi"], [], use_tqdm=False)
+
+
 def test_bad_words_never_complete_in_the_output(smollm_llm):
     """vLLM's bad_words: a one-token word (as it is and after a space) is never drawn, as a -100 logit_bias on both
     ids gives; a two-token word's second token is never drawn after its first, so the output equals the free one up
@@ -366,3 +402,29 @@ def test_cli_rejects_bad_flags_before_loading_weights(flags, message, monkeypatc
     monkeypatch.setattr(engine, "load_model", no_loading)
     with pytest.raises(SystemExit, match=message):
         cli.main(["generate", "--prompt", "x", *flags])
+
+
+def test_cli_generate_chat_without_a_template_is_a_one_line_error(tmp_path, smollm_hf_tokenizer, capsys):
+    """--chat with a tokenizer that has no chat template ended in a traceback; it is the CLI's error line now."""
+    from oasiskv import cli
+    from tests.helpers import write_tiny_config
+
+    smollm_hf_tokenizer.save_pretrained(tmp_path / "tok")
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(config))
+    for name in ("chat_template.jinja", "chat_template.json"):
+        (tmp_path / "tok" / name).unlink(missing_ok=True)
+    model = write_tiny_config(tmp_path / "model")
+    with pytest.raises(SystemExit, match="error: this model's tokenizer has no chat template"):
+        cli.main(["generate", "--model", model, "--load-format", "dummy", "--tokenizer", str(tmp_path / "tok"),
+                  "--kv-cache-gb", "0.01", "--chat", "--prompt", "Hi", "--max-tokens", "2"])
+
+
+def test_vllms_dtype_spellings_half_and_float():
+    from oasiskv.engine.engine import pick_dtype
+
+    cpu = torch.device("cpu")
+    assert pick_dtype("half", cpu) == torch.float16 and pick_dtype("float", cpu) == torch.float32
+    with pytest.raises(ValueError, match="--dtype must be one of auto, .*half"):
+        pick_dtype("double", cpu)

@@ -68,8 +68,8 @@ def pick_device(name: str) -> torch.device:
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-             "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
+             "fp16": torch.float16, "float32": torch.float32, "float": torch.float32, "fp32": torch.float32}
     if name not in table:
         raise ValueError(f"--dtype must be one of auto, {', '.join(table)}; got {name!r}")
     return table[name]

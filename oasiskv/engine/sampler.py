@@ -2,6 +2,7 @@
 from the engine's seed), so a request draws the same tokens whatever else shares its batch."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import torch
@@ -104,7 +105,12 @@ class Sampler:
                 if rid not in self.prompt_seen:
                     self.prompt_seen[rid] = token_mask(history.prompt, logits.shape[-1], logits.device)
                 seen = self.prompt_seen[rid]
-            logits[i] = apply_penalties(logits[i], history, p, seen)
+            row = apply_penalties(logits[i], history, p, seen)
+            if p.allowed_token_ids and history.banned and bool(torch.isneginf(row).all()):
+                # min_tokens or bad_words banned every allowed id: the allowed ids win (a ban-free draw among them),
+                # where every logit at -inf would have drawn id 0, which is not allowed
+                row = apply_penalties(logits[i], dataclasses.replace(history, banned=()), p, seen)
+            logits[i] = row
         return logits
 
     def forget(self, request_id: str) -> None:

@@ -104,8 +104,10 @@ def variant_config(base: EngineConfig, v: Variant) -> EngineConfig:
     missing = [n for n in changes if n not in {f.name for f in dataclasses.fields(KVConfig)}]
     if missing:
         raise ValueError(f"this engine's KVConfig has no field {missing[0]!r} (mode {v.mode} not available yet?)")
+    from oasiskv.models.loader import model_config_of
+
     kv = base.kv.for_mode(v.mode, **changes)
-    kv.validate(base.cache.block_size, 10 ** 9)
+    kv.validate(base.cache.block_size, model_config_of(base.model).num_layers)  # before any weights load
     return base.replace(kv=kv)
 
 

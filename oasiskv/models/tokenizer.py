@@ -8,6 +8,12 @@ from typing import Sequence
 PRIMING_TOKENS = (4, 24)  # how many prompt tokens an output is decoded after (HFTokenizer.text_context)
 
 
+def whole_characters(text: str) -> str:
+    """The text without the replacement characters an unfinished UTF-8 character leaves at its end (a multi-byte
+    character split over tokens, cut by the length limit): vLLM's detokenizer never shows those bytes."""
+    return text.rstrip("\ufffd")
+
+
 class HFTokenizer:
     def __init__(self, hf_tokenizer):
         self.hf = hf_tokenizer
@@ -41,12 +47,14 @@ class HFTokenizer:
         """The text of ids as a continuation of the prompt, as vLLM's incremental detokenizer gives it: decoded
         after the prompt's last tokens (`context`, from text_context), whose own text is then cut off. Decoded
         alone, a SentencePiece token's word-start marker at the beginning is dropped (" Paris" came out "Paris");
-        byte-level BPE gives the same text either way. skip_special_tokens False keeps the special tokens' text."""
+        byte-level BPE gives the same text either way. skip_special_tokens False keeps the special tokens' text.
+        An unfinished character at the end is left out (whole_characters)."""
         if not context:
-            return self.decode(ids, skip_special_tokens)
+            return whole_characters(self.decode(ids, skip_special_tokens))
         before = self.decode(context, skip_special_tokens)
         whole = self.decode(list(context) + list(ids), skip_special_tokens)
-        return whole[len(before):] if whole.startswith(before) else self.decode(ids, skip_special_tokens)
+        text = whole[len(before):] if whole.startswith(before) else self.decode(ids, skip_special_tokens)
+        return whole_characters(text)
 
     def text_context(self, prompt_ids: Sequence[int]) -> list[int]:
         """The prompt tokens an output is decoded after (once per request): the last 4 to 24, the fewest that
@@ -63,14 +71,26 @@ class HFTokenizer:
                             add_generation_prompt: bool = True, continue_final_message: bool = False,
                             **template_kwargs) -> list[int]:
         """The conversation's prompt ids; template_kwargs reach the template (e.g. Qwen3's enable_thinking)."""
+        return self.encode_continuation(self.render_chat(messages, chat_template, add_generation_prompt,
+                                                         continue_final_message, **template_kwargs))
+
+    def render_chat(self, messages: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, **template_kwargs) -> str:
+        """The conversation's prompt text. A template that fails (its syntax, its raise_exception, an option it
+        cannot take) is a ValueError naming the cause, as vLLM reports it."""
         if not (chat_template or getattr(self.hf, "chat_template", None)):
             raise ValueError("this model's tokenizer has no chat template; use generate with a plain prompt")
         if add_generation_prompt and continue_final_message:
             raise ValueError("continue_final_message continues the last message: set add_generation_prompt=False")
-        text = self.hf.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
-                                           add_generation_prompt=add_generation_prompt,
-                                           continue_final_message=continue_final_message, **template_kwargs)
-        return self.encode_continuation(text)
+        reserved = sorted(set(template_kwargs) & {"tokenize", "conversation", "messages", "return_dict"})
+        if reserved:
+            raise ValueError(f"chat_template_kwargs cannot set {', '.join(reserved)}: the engine sets them")
+        try:
+            return self.hf.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
+                                               add_generation_prompt=add_generation_prompt,
+                                               continue_final_message=continue_final_message, **template_kwargs)
+        except Exception as e:  # noqa: BLE001 - jinja2's syntax and template errors, transformers' checks
+            raise ValueError(f"the chat template failed: {type(e).__name__}: {e}") from e
 
 
 class ByteTokenizer:
@@ -100,16 +120,20 @@ class ByteTokenizer:
         return []  # bytes: no token's text depends on what comes before it
 
     def decode_after(self, context: Sequence[int], ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.decode(ids)
+        return whole_characters(self.decode(ids))
 
     def apply_chat_template(self, messages: list[dict], chat_template: str | None = None,
                             add_generation_prompt: bool = True, continue_final_message: bool = False,
                             **template_kwargs) -> list[int]:
+        return self.encode(self.render_chat(messages, chat_template, add_generation_prompt, continue_final_message,
+                                            **template_kwargs))
+
+    def render_chat(self, messages: list[dict], chat_template: str | None = None, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, **template_kwargs) -> str:
         if chat_template or continue_final_message or template_kwargs:
             raise ValueError("a model without a tokenizer has no chat template to take these options")
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant: " if add_generation_prompt
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant: " if add_generation_prompt
                                                                               else "")
-        return self.encode(text)
 
 
 @functools.lru_cache(maxsize=4)

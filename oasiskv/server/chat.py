@@ -21,10 +21,8 @@ def chat_prompt(body: ChatCompletionRequest, tokenizer) -> list[int]:
                "continue_final_message": body.continue_final_message, **kwargs}
     try:
         ids = tokenizer.apply_chat_template(messages, **options)
-    except ValueError as e:
+    except ValueError as e:  # (a template that fails on the conversation, e.g. roles out of order, included)
         raise APIError(str(e), param="messages") from e
-    except Exception as e:  # a template that rejects the conversation (e.g. roles out of order)
-        raise APIError(f"the chat template failed on these messages: {e}", param="messages") from e
     if not ids:
         raise APIError("the messages produced an empty prompt", param="messages")
     return ids

@@ -58,9 +58,9 @@ class ChoiceDelta:
 
 
 class TextStream:
-    """Output token ids in, text deltas out. Holds back what may still change: an incomplete UTF-8
-    character at the end, and the last len(stop) - 1 characters while stop strings are set (the
-    engine cuts a stop string off only once it is complete)."""
+    """Output token ids in, text deltas out. Holds back what may still change: the last len(stop) - 1
+    characters while stop strings are set (the engine cuts a stop string off only once it is complete); an
+    incomplete UTF-8 character at the end is not in the decoded text at all."""
 
     def __init__(self, tokenizer, params: SamplingParams, prompt_ids: list[int]):
         self.tokenizer, self.params = tokenizer, params
@@ -72,7 +72,7 @@ class TextStream:
     def push(self, token_ids: list[int]) -> str:
         self.ids += token_ids
         text = self.tokenizer.decode_after(self.context, self.ids, self.params.skip_special_tokens)
-        safe = len(text) - self.holdback - (1 if text.endswith("\ufffd") else 0)
+        safe = len(text) - self.holdback  # (an unfinished character is never in the text: whole_characters)
         delta = text[self.sent:safe] if safe > self.sent else ""
         self.sent += len(delta)
         return delta
