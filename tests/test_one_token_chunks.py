@@ -2,8 +2,10 @@
 a chunk is a prefill: the runner once took every one-token chunk for a decode, so the tiered modes wrote its K/V to
 the tail block only, never to the host store where the prompt's later chunks read their prefix (retrieval read
 zeros there; oasis took the request for a decoding one and failed its next step). A prompt's last token alone is a
-decode, and the prefill keep lets go of its prompt then. Checked against the unchunked run of dense, on the embedded
-SmolLM2, with every sparse mode's budget above the context (where each must produce exactly what dense produces)."""
+prefill too: as a decode it attended to the sparse modes' selection, so with the budget below the context the chunking
+changed the output. Checked against the unchunked run of dense, on the embedded SmolLM2, with every sparse mode's
+budget above the context (where each must produce exactly what dense produces), and against each sparse mode's own
+unchunked run with the budget below the context."""
 from __future__ import annotations
 
 import pytest
@@ -73,3 +75,27 @@ def test_the_keep_lets_go_of_a_prompt_whose_last_token_came_alone(mode):
     assert keep.holder is None
     while engine.has_unfinished():
         engine.step()
+
+
+@pytest.mark.parametrize("mode", ["quest", "retrieval", "oasis", "oracle"])
+def test_a_prompts_last_token_alone_changes_no_output_below_the_budget(mode, tmp_path):
+    """A 73-token prompt in chunks of 18 (its last token alone) against one chunk, the budget (32 tokens) below the
+    context, on a tiny random model: the last token ran as a decode over the selection, and the first output token
+    changed in every sparse mode."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)  # weights of a wide spread: the selection decides the tokens
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, head_dim=16, max_position_embeddings=512,
+                         tie_word_embeddings=True, initializer_range=0.2)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    prompt = [(7 * i * i + 3 * i + 11) % 250 + 3 for i in range(73)]
+    sparse = dict(model=str(tmp_path / "model"), dtype="float32", show_progress=False, kv_cache_gb=0.05,
+                  kv_mode=mode, kv_budget=32, sink_blocks=0, local_blocks=1, fetch_cap=1.0,
+                  **({"host_kv_gb": 0.02} if mode in ("retrieval", "oasis") else {}))
+    outs = {}
+    for chunk in (4096, 18):
+        llm = LLM(max_num_batched_tokens=chunk, **sparse)
+        outs[chunk] = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert outs[18] == outs[4096]

@@ -154,11 +154,11 @@ def fill_pending(ids: torch.Tensor, sources: torch.Tensor, tokens: torch.Tensor)
 
 
 def is_decode(c: ScheduledChunk) -> bool:
-    """One token that samples the next: a decode, or a prompt's last token alone (its K/V goes to the tail block as
-    a decode's does) unless the prompt's K/V must all reach the host store (a prefill instance's export). A one-token
-    piece of a longer prompt (what a step's last budget token leaves) is a prefill: the tiered modes must write it
-    to the host store, where the prompt's later chunks read their prefix."""
-    return len(c.token_ids) == 1 and c.sample and not c.prompt_to_host
+    """One generated token that samples the next. A one-token piece of a prompt is a prefill: a piece that a step's
+    last budget token leaves (the tiered modes must write it to the host store, where the prompt's later chunks read
+    their prefix), and the prompt's last token alone (as a decode it attended to the sparse modes' selection, where
+    in a longer chunk it attends to the whole prefix: the chunking changed the output)."""
+    return len(c.token_ids) == 1 and c.sample and not c.prefill
 
 
 def order_decodes_first(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:

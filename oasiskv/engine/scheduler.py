@@ -29,9 +29,11 @@ class ScheduledChunk:
     sample: bool  # the chunk ends at the last known token: sample the next one
     draft_token_id: int | None = None  # a guess of the token after this chunk (oasis lookahead); never emitted
     table_epoch: int | None = None  # block_ids only grow while this stays the same (Scheduler.epoch_of); None: unknown
-    # every prompt token's K/V must reach the host store (a prefill instance exports them): the prompt's last token
-    # alone is then a prefill, not a decode, whose K/V would stay in the GPU tail block
+    # every prompt token's K/V must reach the host store (a prefill instance exports them)
     prompt_to_host: bool = False
+    # the chunk holds prompt tokens: a prefill, the prompt's last token alone too (a decode would attend to the
+    # sparse modes' selection, where the same token in a longer chunk attends to the whole prefix)
+    prefill: bool = False
 
 
 @dataclass
@@ -157,7 +159,8 @@ class Scheduler:
         return ScheduledChunk(req.request_id, req.token_slice(start, start + n), start, list(req.block_ids),
                               sample=start + n == req.num_tokens, draft_token_id=req.draft_token_id,
                               table_epoch=self.epoch_of(req),
-                              prompt_to_host=req.prompt_to_host and start < len(req.prompt_token_ids))
+                              prompt_to_host=req.prompt_to_host and start < len(req.prompt_token_ids),
+                              prefill=start < len(req.prompt_token_ids))
 
     def epoch_of(self, req: Request) -> int:
         """A number that stays the same while req's block table only grows. A table is only ever extended in
