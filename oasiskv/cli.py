@@ -15,6 +15,7 @@ ENGINE_DEFAULTS, CACHE_DEFAULTS, SCHED_DEFAULTS, KV_DEFAULTS = (EngineConfig(), 
                                                                 KVConfig())
 DISAGG_DEFAULTS = DisaggConfig()
 SAMPLING_DEFAULTS = SamplingParams()
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's, as vLLM lists them
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -205,11 +206,16 @@ def checked_engine_config(args: argparse.Namespace) -> EngineConfig:
         config.kv.validate(config.cache.block_size, num_layers=sys.maxsize)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
-    model = config.kv.draft_model  # a head directory that does not exist: now, not once the target has loaded
+    check_draft_model(config)
+    return config
+
+
+def check_draft_model(config: EngineConfig) -> None:
+    """A head directory that does not exist: now, not once the target has loaded."""
+    model = config.kv.draft_model
     if model is not None and not os.path.isdir(model):
         raise SystemExit(f"error: the draft model {model} is not a directory (an EAGLE-3 head: config.json and "
                          "its weights)")
-    return config
 
 
 def build_llm(args):
@@ -346,7 +352,7 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None, help="the name clients use (default: the model's)")
-    serve.add_argument("--uvicorn-log-level", default="info")
+    serve.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
     add_engine_args(serve)
     add_disagg_args(serve)
     serve.set_defaults(func=cmd_serve)
@@ -386,7 +392,7 @@ def add_proxy_parser(sub) -> None:
     proxy.add_argument("--decode", required=True, help="URL of an `oasiskv serve --role decode` instance")
     proxy.add_argument("--host", default="127.0.0.1")
     proxy.add_argument("--port", type=int, default=8000)
-    proxy.add_argument("--uvicorn-log-level", default="info")
+    proxy.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
     proxy.set_defaults(func=cmd_proxy)
 
 

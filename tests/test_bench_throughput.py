@@ -95,6 +95,37 @@ def test_compare_to_joins_an_earlier_run(tiny, tmp_path):
     assert rows[1]["output_vs_dense"] == pytest.approx(rows[1]["output_tok_s"] / rows[0]["output_tok_s"], rel=1e-3)
 
 
+def test_modes_without_json_write_the_default_file_and_compare_to_refuses_another_workload(tiny, tmp_path,
+                                                                                             monkeypatch):
+    """--modes wrote no JSON without --json (a single mode wrote --out's default); --compare-to joined a run of
+    another input length and divided the two runs' throughputs."""
+    monkeypatch.chdir(tmp_path)
+    bench(tiny, "--modes", "dense", "--max-num-seqs", "2")
+    first = tmp_path / "results" / "bench_throughput.json"
+    assert [r["mode"] for r in json.loads(first.read_text())["rows"]] == ["dense"]
+    with pytest.raises(SystemExit, match="--compare-to .* measured another run .*64, 4"):
+        bench(tiny, "--modes", "quest", "--input-len", "64", "--compare-to", str(first), "--json", "b.json")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--modes", "dense", "--num-prompts", "-1"], "--num-prompts must be at least 1"),
+    (["--modes", "dense", "--profile-step", "--profile-steps", "0"], "--profile-steps must be at least 1"),
+    (["--modes", "dense", "--max-model-len", "32"], r"--input-len \+ --output-len \(132\) is longer than the model's 32"),
+    (["--modes", "dense", "--device", "bogus"], "--device must be auto, cpu or cuda"),
+    (["--modes", "oasis", "--draft", "eagle3", "--draft-model", "/no/such/head"], "the draft model /no/such/head is not"),
+    (["--batch-sizes", "1", "--prompt-corpus", "austen"], "--prompt-corpus applies to --modes or a sweep"),
+    (["--batch-sizes", "1", "--profile-step"], "--profile-step applies to --modes or a sweep"),
+])
+def test_bad_flags_are_refused_before_the_weights_load(tiny, flags, message, monkeypatch):
+    """Each was a traceback after the weights loaded (a ZeroDivisionError after a mode's whole workload for
+    --profile-steps 0), or taken and ignored (a single mode's --prompt-corpus, --profile-step)."""
+    from oasiskv.engine import engine
+
+    monkeypatch.setattr(engine, "load_model", lambda *a, **k: pytest.fail("weights loaded before the flags' check"))
+    with pytest.raises(SystemExit, match=message):
+        bench(tiny, *flags)
+
+
 def test_concurrency_sweep(tiny, tmp_path):
     out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
     bench(tiny, "--modes", "dense,oasis", "--max-num-seqs", "4", "--sweep-concurrency", "1,2,8", "--json", str(out),

@@ -79,7 +79,9 @@ def test_bench_serve_says_why_when_every_request_failed(url, smollm_llm, tmp_pat
     with pytest.raises(SystemExit, match="^error: all 2 requests failed; the first error: .*maximum context length"):
         bench_serve.main(args)
     assert "failed request: " in capsys.readouterr().err
-    assert json.loads(out.read_text())["failed"] == 2
+    # strict JSON: the default rate (all at once) was written as Infinity, which strict readers refuse
+    saved = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
+    assert saved["failed"] == 2 and saved["request_rate"] == "inf"
 
 
 def test_bench_serve_refuses_to_guess_the_vocabulary(tmp_path):

@@ -125,8 +125,11 @@ def check_args(args, device: torch.device) -> None:
 
 
 def run(args) -> dict:
-    device = pick_device(args.device)
-    dtype = pick_dtype(args.dtype, device)
+    try:
+        device = pick_device(args.device)
+        dtype = pick_dtype(args.dtype, device)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     check_args(args, device)
     net, cfg = build_model(args.model, device, dtype, args.seed)
     if device.type == "cuda" and args.gpu_memory_gb:

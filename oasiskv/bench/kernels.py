@@ -188,8 +188,11 @@ def checked_batches(args) -> list[int]:
 
 
 def run(args) -> dict:
-    device = pick_device(args.device)
-    dtype = pick_dtype(args.dtype, device)
+    try:
+        device = pick_device(args.device)
+        dtype = pick_dtype(args.dtype, device)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     shapes = {"q_heads": args.q_heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim}
     batches = checked_batches(args)
     copy_gbps = memory_copy_gbps(device)

@@ -117,7 +117,7 @@ def check_runs(args, config: EngineConfig) -> None:
 
 def run_modes(args, config: EngineConfig) -> dict:
     modes = parse_modes(args.modes)
-    earlier = earlier_rows(args.compare_to, "modes", "mode", modes)  # a wrong path fails before the measuring
+    earlier = earlier_rows(args, config, "modes", "mode", modes)  # a wrong path fails before the measuring
     hbm = hbm_ceiling(args, config)
     rows = []
     for mode in modes:
@@ -131,9 +131,11 @@ def run_modes(args, config: EngineConfig) -> dict:
     return result
 
 
-def earlier_rows(path: str | None, kind: str, key: str, present: list) -> list[dict]:
+def earlier_rows(args, config: EngineConfig, kind: str, key: str, present: list) -> list[dict]:
     """Rows of an earlier run of the same kind (--compare-to) whose `key` (mode, fetch cap) this run does
-    not measure: a benchmark split over several invocations joins into one table, JSON and plot."""
+    not measure: a benchmark split over several invocations joins into one table, JSON and plot. A run of another
+    model or workload is refused (its ratios to this run's rows would compare different work)."""
+    path = args.compare_to
     if not path:
         return []
     try:
@@ -143,6 +145,12 @@ def earlier_rows(path: str | None, kind: str, key: str, present: list) -> list[d
         raise SystemExit(f"error: cannot read --compare-to {path}: {e}")
     if earlier.get("kind") != kind:
         raise SystemExit(f"error: --compare-to {path} holds a {earlier.get('kind')!r} run, not {kind!r}")
+    theirs = (earlier.get("workload", {}).get("input_len"), earlier.get("workload", {}).get("output_len"),
+              earlier.get("config", {}).get("model"), earlier.get("config", {}).get("load_format"))
+    ours = (args.input_len, args.output_len, config.model, config.load_format)
+    if theirs != ours:
+        raise SystemExit(f"error: --compare-to {path} measured another run (input, output, model, load format "
+                         f"{theirs}; this one {ours})")
     return [{**r, "from": path} for r in earlier["rows"] if r[key] not in present]
 
 
@@ -152,7 +160,7 @@ def run_concurrency_sweep(args, config: EngineConfig) -> dict:
     levels = parse_list(args.sweep_concurrency, int, "--sweep-concurrency")
     hbm = hbm_ceiling(args, config)
     modes = parse_modes(args.modes or config.kv.mode)
-    rows = earlier_rows(args.compare_to, "concurrency_sweep", "mode", modes)
+    rows = earlier_rows(args, config, "concurrency_sweep", "mode", modes)
     for mode in modes:
         points, info = with_engine(mode_config(config, mode), lambda e: sweep_points(e, args, hbm, levels))
         rows += [{**p, **info} for p in points]
@@ -178,7 +186,7 @@ def run_fetch_cap_sweep(args, config: EngineConfig) -> dict:
     """Oasis at each fetch cap: PCIe traffic per step, throughput and agreement (the paper's ablation)."""
     caps = parse_list(args.sweep_fetch_cap, float, "--sweep-fetch-cap")
     hbm = hbm_ceiling(args, config)
-    rows = earlier_rows(args.compare_to, "fetch_cap_sweep", "fetch_cap", caps)
+    rows = earlier_rows(args, config, "fetch_cap_sweep", "fetch_cap", caps)
     for cap in caps:
         row, info = with_engine(mode_config(config, "oasis", fetch_cap=cap), lambda e: measure_mode(e, args, hbm))
         rows.append({"fetch_cap": cap, **row, **info})
@@ -192,8 +200,7 @@ def run_fetch_cap_sweep(args, config: EngineConfig) -> dict:
 def save_progress(args, config: EngineConfig, partial: dict) -> None:
     """The rows measured so far, written to --json after each engine: a run cut short (a device call's time
     limit) keeps them. The finished run overwrites the file."""
-    if args.json:
-        finish(args, config, {**partial, "partial": True}, plot=None)
+    finish(args, config, {**partial, "partial": True}, plot=None)
 
 
 def finish(args, config: EngineConfig, result: dict, plot) -> None:
@@ -201,8 +208,7 @@ def finish(args, config: EngineConfig, result: dict, plot) -> None:
                             "num_prompts": args.num_prompts, "prompt_seed": args.prompt_seed,
                             "prompt_corpus": getattr(args, "prompt_corpus", None)},
                   config=dataclasses.asdict(config))
-    if args.json:
-        write_json(args.json, result, pick_device(config.device))
+    write_json(args.json or args.out, result, pick_device(config.device))  # (--out's default without --json)
     if args.plot and plot:
         plot(result, args.plot)
         print(f"wrote {args.plot}")

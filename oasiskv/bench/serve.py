@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import httpx
 import numpy as np
+from tqdm.auto import tqdm
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -116,10 +117,20 @@ async def run_benchmark(args) -> dict:
             async with gate:
                 return await send_one(client, args.endpoint, model, prompt, max_tokens, args.ignore_eos)
 
+        bar = tqdm(total=len(prompts), desc="requests", unit="req")
+
+        async def counted(prompt, max_tokens):
+            result = await limited(prompt, max_tokens)
+            bar.update(1)
+            return result
+
         start, tasks = time.perf_counter(), []
         async for i in arrivals(len(prompts), args.request_rate, args.burstiness, args.seed):
-            tasks.append(asyncio.create_task(limited(*prompts[i])))
-        results = await asyncio.gather(*tasks)
+            tasks.append(asyncio.create_task(counted(*prompts[i])))
+        try:
+            results = await asyncio.gather(*tasks)
+        finally:
+            bar.close()
         duration = time.perf_counter() - start
     return {**summarize(results, duration, args, model), "vocab_size": vocab}
 
@@ -143,7 +154,9 @@ def summarize(results: list[RequestResult], duration: float, args, model: str) -
                "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
                "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
                "total_token_throughput": (in_tokens + out_tokens) / duration,
-               "max_concurrency": args.max_concurrency, "request_rate": args.request_rate,
+               # JSON has no infinity (json.dump's Infinity is refused by strict readers): "inf", as vLLM writes it
+               "max_concurrency": args.max_concurrency,
+               "request_rate": "inf" if args.request_rate == float("inf") else args.request_rate,
                "input_lens": [r.prompt_len for r in results], "output_lens": [r.output_tokens for r in results],
                "ttfts": [r.ttft for r in results], "itls": [r.itl for r in results],
                "errors": [r.error for r in results]}
@@ -170,7 +183,7 @@ def print_summary(s: dict) -> None:
     row("Failed requests:", s["failed"])
     if s["max_concurrency"] is not None:
         row("Maximum request concurrency:", s["max_concurrency"])
-    row("Request rate configured (RPS):", s["request_rate"], "{:<10.2f}")
+    row("Request rate configured (RPS):", float(s["request_rate"]), "{:<10.2f}")
     row("Benchmark duration (s):", s["duration"], "{:<10.2f}")
     row("Total input tokens:", s["total_input_tokens"])
     row("Total generated tokens:", s["total_output_tokens"])

@@ -37,7 +37,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                    help="memory bandwidth of the roofline (default: a device-to-device copy measured now; "
                         f"single-mode runs: {HBM_GBPS:.0f})")
     g.add_argument("--out", default="results/bench_throughput.json",
-                   help="single-mode JSON (default: %(default)s, under the current directory; --json overrides it)")
+                   help="the JSON (default: %(default)s, under the current directory; --json overrides it)")
     m = p.add_argument_group("every mode side by side (vllm bench throughput's numbers)")
     m.add_argument("--modes", default=None, help="comma-separated KV modes, e.g. dense,quest,retrieval,oasis: each "
                                                   "runs at the largest concurrency it holds")
@@ -84,10 +84,19 @@ def run_from_args(args: argparse.Namespace, config: EngineConfig):
 def check_flags(args: argparse.Namespace, config: EngineConfig) -> None:
     """What the run would otherwise find wrong only after the weights load or after minutes of measuring."""
     from oasiskv.bench import modes
-    from oasiskv.cli import check_output_path
+    from oasiskv.cli import check_draft_model, check_output_path
+    from oasiskv.engine.engine import pick_device, pick_dtype
     from oasiskv.evals.texts import CORPORA
     from oasiskv.models.loader import model_config_of
 
+    for flag, value in (("--num-prompts", args.num_prompts), ("--profile-steps", args.profile_steps)):
+        if value is not None and value < 1:
+            raise SystemExit(f"error: {flag} must be at least 1, got {value}")
+    check_draft_model(config)
+    try:
+        pick_dtype(config.dtype, pick_device(config.device))
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     if args.hbm_gbps is not None and not args.hbm_gbps > 0:
         raise SystemExit(f"error: --hbm-gbps must be above 0, got {args.hbm_gbps}")
     if args.warmup_steps < 0:
@@ -95,16 +104,23 @@ def check_flags(args: argparse.Namespace, config: EngineConfig) -> None:
     if args.prompt_corpus is not None and args.prompt_corpus not in CORPORA:
         raise SystemExit(f"error: --prompt-corpus must be one of {', '.join(CORPORA)}, got {args.prompt_corpus!r}")
     try:
-        model_config_of(config.model)
+        context = config.scheduler.max_model_len or model_config_of(config.model).max_position_embeddings
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
+    if args.input_len + args.output_len > context:
+        raise SystemExit(f"error: --input-len + --output-len ({args.input_len + args.output_len}) is longer than the "
+                         f"model's {context} tokens")
     if args.modes or args.sweep_concurrency or args.sweep_fetch_cap:
         modes.check_runs(args, config)
     else:
-        if args.plot:
-            raise SystemExit("error: --plot draws --modes or a sweep; a single mode (--kv-mode) prints its table")
-        if not args.json:  # (the CLI checked --json already)
-            check_output_path(args.out, "--out")
+        single = [flag for flag, given in (("--plot", args.plot), ("--compare-to", args.compare_to),
+                                           ("--profile-step", args.profile_step),
+                                           ("--prompt-corpus", args.prompt_corpus)) if given]
+        if single:  # (they were taken and ignored)
+            raise SystemExit(f"error: {single[0]} applies to --modes or a sweep; a single mode (--kv-mode) runs "
+                             f"random prompts at --batch-sizes and prints its table")
+    if not args.json:  # (the CLI checked --json already)
+        check_output_path(args.out, "--out")
 
 
 def batch_sizes(text: str) -> list[int | str]:
@@ -123,10 +139,7 @@ def run_single_mode(args: argparse.Namespace, config: EngineConfig) -> list[dict
     from oasiskv.models.loader import model_config_of
 
     sched = config.scheduler
-    context = sched.max_model_len or model_config_of(config.model).max_position_embeddings
-    if args.input_len + args.output_len > context:
-        raise SystemExit(f"error: --input-len + --output-len ({args.input_len + args.output_len}) is longer than the "
-                         f"model's {context} tokens")
+    context = sched.max_model_len or model_config_of(config.model).max_position_embeddings  # (check_flags: fits)
     # room for the decode tail each request grows while the others prefill, within the model's context
     config = config.replace(scheduler=dataclasses.replace(
         sched, max_num_seqs=max(sched.max_num_seqs, 1024),
