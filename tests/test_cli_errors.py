@@ -38,7 +38,7 @@ CASES = [
     (BENCH + ["--sweep-fetch-cap", "0.05,0"], r"^error: oasis: --fetch-cap must be in \(0, 1\], got 0.0"),
     (BENCH + ["--modes", "dense", "--compare-to", "/no-such-file.json"], "cannot read --compare-to /no-such-file.json"),
     (BENCH + ["--modes", "dense", "--prompt-corpus", "nosuch"], "--prompt-corpus must be one of"),
-    (BENCH + ["--plot", "x.png"], "--plot draws --modes or a sweep"),
+    (BENCH + ["--plot", "x.png"], "--plot applies to --modes or a sweep"),
     (BENCH + ["--model", "/no-such-dir/model.gguf"], "model '/no-such-dir/model.gguf' not found"),
     (BENCH + ["--sweep-concurrency", "0,-1"], "--sweep-concurrency takes counts of at least 1"),
     (BENCH + ["--warmup-steps", "-3"], "--warmup-steps must be at least 0"),

@@ -173,6 +173,20 @@ def test_eval_rejects_a_layer_beyond_the_model_before_loading_it(monkeypatch):
         main(["eval", "--quick", "--corpus", "sample", "--modes", "quest", "--layer-weights", "99=2"])
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--modes", "oasis", "--draft", "eagle3", "--draft-model", "/no/such/head"], "the draft model /no/such/head"),
+    # every oasis row skipped (the cap fetches no block of the budget): it ran dense alone, exited 0, no plot
+    (["--modes", "oasis", "--kv-budget", "256", "--fetch-cap", "0.01"], "no configuration but dense can run: oasis"),
+])
+def test_eval_refuses_what_it_found_only_after_the_dense_anchor(monkeypatch, flags, message):
+    from oasiskv.cli import main
+    from oasiskv.engine import engine
+
+    monkeypatch.setattr(engine, "load_model", lambda *a, **k: pytest.fail("weights loaded before the check"))
+    with pytest.raises(SystemExit, match=message):
+        main(["eval", "--quick", "--corpus", "sample", *flags])
+
+
 @pytest.mark.parametrize("flag, value", [("--samples", "0"), ("--windows", "0"), ("--context", "1024,0"),
                                          ("--scored", "-1")])
 def test_eval_rejects_empty_sizes_before_loading(monkeypatch, flag, value):

@@ -189,7 +189,9 @@ def test_half_precision_on_the_cpu_is_refused_before_the_target_loads(tmp_path):
 @pytest.mark.parametrize("flag, value, message", [
     ("--num-conversations", "0", "--num-conversations must be at least 1, got 0"),
     ("--lr", "-1", "--lr must be above 0"), ("--ttt-decay", "1.5", r"--ttt-decay must be in \(0, 1\]"),
-    ("--warmup", "1", r"--warmup must be in \[0, 1\)"), ("--max-len", "8", "--max-len must be at least 32")])
+    ("--warmup", "1", r"--warmup must be in \[0, 1\)"), ("--max-len", "8", "--max-len must be at least 32"),
+    ("--gen-kv-cache-gb", "-1", "--gen-kv-cache-gb must be above 0"),  # (the engine's check named --kv-cache-gb)
+    ("--resume", None, "--resume: .* holds no earlier run")])  # (it generated data and trained from scratch)
 def test_bad_flags_fail_before_the_target_loads(tmp_path, monkeypatch, flag, value, message):
     import oasiskv.lookahead.train_draft as td
 
@@ -198,7 +200,7 @@ def test_bad_flags_fail_before_the_target_loads(tmp_path, monkeypatch, flag, val
 
     monkeypatch.setattr(td, "target_and_data", no_loading)
     with pytest.raises(ValueError, match=message):
-        train(train_args("unused", tmp_path / "head", flag, value))
+        train(train_args("unused", tmp_path / "head", *[a for a in (flag, value) if a is not None]))
     assert not (tmp_path / "head").exists()  # nothing written either
 
 

@@ -116,7 +116,7 @@ def check_lists(args: argparse.Namespace) -> None:
 
 def base_config(args: argparse.Namespace):
     """The engine configuration of the flags, through oasiskv.cli.engine_config with scalar KV values."""
-    from oasiskv.cli import engine_config
+    from oasiskv.cli import check_draft_model, engine_config
     from oasiskv.config import KVConfig
 
     defaults = KVConfig()
@@ -127,7 +127,9 @@ def base_config(args: argparse.Namespace):
     scalar["summary_tokens"] = None  # whole blocks: a row with finer summaries names its size (a listed 16 names none)
     scalar["layer_weights"] = ()  # the weighted rows carry their own; the base serves modes that take none
     scalar["shortlist"] = 0.0  # likewise: only the modes that take one
-    return engine_config(argparse.Namespace(**scalar))
+    config = engine_config(argparse.Namespace(**scalar))
+    check_draft_model(config)  # before the dense anchor runs
+    return config
 
 
 def main(args: argparse.Namespace) -> None:
@@ -151,6 +153,9 @@ def main(args: argparse.Namespace) -> None:
                                                            args.block_score, args.miss_policy, args.select_per,
                                                            sizes, args.layer_weights, args.shortlist),
                                            block_size)
+        if skipped and not variants and set(args.modes) - {"dense"}:  # (it ran dense alone and said nothing)
+            raise ValueError(f"no configuration but dense can run: {', '.join(v.label for v in skipped)} would "
+                             f"fetch nothing (a fetch cap must allow at least one block of the budget)")
         documents = load_corpus(args.corpus, args.cache_dir)
         settings_used = {**{k: v for k, v in vars(args).items() if k != "func"},
                          "skipped": [v.label for v in skipped]}

@@ -133,6 +133,8 @@ ARG_RULES = {
     "epochs": (lambda v: v > 0, "above 0"), "steps": (lambda v: v is None or v >= 1, "at least 1"),
     "lr": (lambda v: v > 0, "above 0"), "warmup": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "clip": (lambda v: v > 0, "above 0"), "checkpoint_every": (lambda v: v >= 1, "at least 1"),
+    # (the generation engine's own check named its --kv-cache-gb, a flag train-draft does not have)
+    "gen_kv_cache_gb": (lambda v: v is None or v > 0, "above 0"),
 }
 
 
@@ -159,6 +161,9 @@ def train(args: argparse.Namespace, on_step=None) -> TrainResult:
     if earlier and not args.resume:  # a run killed before its first checkpoint leaves data.pt alone
         raise ValueError(f"{args.out} holds an earlier run's {' and '.join(earlier)}: --resume reuses its data and "
                          "continues its training; to start again, give another --out or remove them")
+    if args.resume and not earlier:  # (it generated the data again and trained from scratch, saying nothing)
+        raise ValueError(f"--resume: {args.out} holds no earlier run (data.pt or checkpoint.pt) to continue; "
+                         "leave --resume out to start one")
     os.makedirs(args.out, exist_ok=True)
     target, conversations = target_and_data(args, device, dtype)
     t_data = time.perf_counter() - t0
