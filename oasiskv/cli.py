@@ -351,7 +351,8 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("model_tag", nargs="?", default=None, help="the model (same as --model)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", default=None, help="the name clients use (default: the model's)")
+    serve.add_argument("--served-model-name", nargs="+", default=None,
+                       help="the names clients may use, the first in responses (default: the model's)")
     serve.add_argument("--uvicorn-log-level", default="info", choices=UVICORN_LOG_LEVELS)
     add_engine_args(serve)
     add_disagg_args(serve)

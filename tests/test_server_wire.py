@@ -4,12 +4,15 @@ engine stopped at, /metrics answers after the engine died, a request's own chat 
 sent, and echo with logprobs under tensor parallelism is refused instead of hanging every rank."""
 from __future__ import annotations
 
+import os
+
 import httpx
 import pytest
 import torch
 from fastapi.testclient import TestClient
 
 from oasiskv.api import LLM
+from oasiskv.cli import parser as main_parser
 from oasiskv.config import SamplingParams
 from oasiskv.server.app import BackgroundServer, build_app
 from tests.helpers import write_tiny_config
@@ -59,6 +62,22 @@ def test_null_fields_take_their_defaults_as_vllms_do(tiny):
         assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": None,
                                                     "ignore_eos": True}).json()["usage"]["completion_tokens"] == \
             tiny.engine.max_model_len - 2
+
+
+def test_served_model_names_as_vllm_takes_them(tiny):
+    """vLLM's default name is --model as given (ours is its short name: both are taken now; the path was a 404);
+    several --served-model-name values are all served, the first in responses and every one in /v1/models."""
+    given = tiny.engine.config.model
+    body = {"prompt": "hi", "max_tokens": 1}
+    with TestClient(build_app(tiny.engine)) as client:
+        short = client.get("/v1/models").json()["data"][0]["id"]
+        assert short == os.path.basename(os.path.normpath(given))
+        assert client.post("/v1/completions", json={**body, "model": given}).json()["model"] == short
+    with TestClient(build_app(tiny.engine, ["first", "second"]), raise_server_exceptions=False) as client:
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["first", "second"]
+        assert client.post("/v1/completions", json={**body, "model": "second"}).json()["model"] == "first"
+        assert client.post("/v1/completions", json={**body, "model": given}).status_code == 404
+    assert main_parser().parse_args(["serve", "--served-model-name", "a", "b"]).served_model_name == ["a", "b"]
 
 
 def test_a_logit_bias_key_that_is_not_a_decimal_token_id_is_a_400(tiny):

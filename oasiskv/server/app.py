@@ -27,10 +27,16 @@ log = logging.getLogger("oasiskv.server")
 class ServerState:
     """What every route needs: the engine loop, the tokenizer, the model's names and limits."""
 
-    def __init__(self, engine, served_model_name: str | None = None, disagg=None):
+    def __init__(self, engine, served_model_name: str | list[str] | None = None, disagg=None):
         self.engine, self.tokenizer = engine, engine.tokenizer
         self.disagg = disagg  # a prefill or decode role (disagg/server.py), or None
-        self.model_name = served_model_name or default_model_name(engine)
+        # vLLM's --served-model-name: any of the names is served, the first names the responses; without it, the
+        # model's short name, and --model as given (vLLM's default name) is taken too
+        names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+        self.model_names = names or [default_model_name(engine)]
+        self.model_name = self.model_names[0]
+        self.accepted_names = set(self.model_names) | ({engine.config.model} if not names and engine.config.model
+                                                      else set())
         self.max_model_len = engine.max_model_len
         self.sampling_defaults = engine.generation.sampling  # the model's generation_config.json values
         self.metrics = ServerMetrics(self.model_name)
@@ -39,7 +45,7 @@ class ServerState:
         self.token_strs: dict[int, str] = {}
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
+        if name is not None and name not in self.accepted_names:
             raise APIError(f"The model `{name}` does not exist.", status=404, param="model")
 
     def token_str(self, token_id: int) -> str:
@@ -67,7 +73,7 @@ def default_model_name(engine) -> str:
     return os.path.basename(os.path.normpath(model))
 
 
-def build_app(engine, served_model_name: str | None = None, disagg=None) -> FastAPI:
+def build_app(engine, served_model_name: str | list[str] | None = None, disagg=None) -> FastAPI:
     state = ServerState(engine, served_model_name, disagg)
 
     @asynccontextmanager
@@ -126,10 +132,10 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models")
     async def models():
-        card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "oasiskv",
-                "root": state.engine.model_source, "parent": None, "max_model_len": state.max_model_len,
-                "permission": []}
-        return {"object": "list", "data": [card]}
+        cards = [{"id": name, "object": "model", "created": state.created, "owned_by": "oasiskv",
+                  "root": state.engine.model_source, "parent": None, "max_model_len": state.max_model_len,
+                  "permission": []} for name in state.model_names]
+        return {"object": "list", "data": cards}
 
     @app.get("/health")
     async def health():
