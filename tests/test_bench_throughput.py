@@ -92,6 +92,11 @@ def test_compare_to_joins_an_earlier_run(tiny, tmp_path):
     bench(tiny, "--modes", "quest", "--max-num-seqs", "2", "--compare-to", str(first), "--json", str(second))
     rows = json.loads(second.read_text())["rows"]
     assert [r["mode"] for r in rows] == ["dense", "quest"] and rows[0]["from"] == str(first)
+    for r in rows:  # vllm bench throughput's keys as well
+        assert (r["num_requests"], r["elapsed_time"], r["requests_per_second"]) == (2, r["elapsed_s"],
+                                                                                   r["requests_per_s"])
+        assert r["tokens_per_second"] == pytest.approx(r["total_num_tokens"] / r["elapsed_time"], rel=1e-3)
+        assert r["total_num_tokens"] == 2 * (IN + OUT)
     assert rows[1]["output_vs_dense"] == pytest.approx(rows[1]["output_tok_s"] / rows[0]["output_tok_s"], rel=1e-3)
 
 

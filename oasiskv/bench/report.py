@@ -55,7 +55,8 @@ def print_modes_table(rows: list[dict]) -> None:
     for r in rows:
         source = f"  (from {r['from']})" if "from" in r else ""
         policy = f", misses {r['miss_policy']}" if r.get("miss_policy") else ""
-        print(f"{r['mode']}: {r.get('kv', '')}{policy}{source}")
+        kv = r.get("kv", "")  # (the description starts with the mode: "dense: 25453 GPU blocks")
+        print(f"{kv if kv.startswith(r['mode']) else r['mode'] + ': ' + kv}{policy}{source}")
         print(f"  Throughput: {r['requests_per_s']:.2f} requests/s, {r['total_tok_s']:.2f} total tokens/s, "
               f"{r['output_tok_s']:.2f} output tokens/s  (concurrency {r['max_concurrency_held']} held, "
               f"{r['num_prompts']} prompts, {r['elapsed_s']:.1f} s)")

@@ -202,6 +202,9 @@ def summarize(engine, done, log: StepLog, elapsed: float, stats0: dict, kv: dict
                                 engine.stats.draft_tokens - stats0["draft_tokens"]),
         **exposed_wait(kv, log.steps_with_decodes - log.replay_steps),
     }
+    # `vllm bench throughput --output-json`'s keys too, so that scripts reading vLLM's files read these
+    row.update(elapsed_time=row["elapsed_s"], num_requests=len(done), total_num_tokens=n_in + n_out,
+               requests_per_second=row["requests_per_s"], tokens_per_second=row["total_tok_s"])
     row.update(steady_state(log))
     if row["decode_step_ms"]:  # the link's rate in the steady state, against the 55 GB/s pinned copy of DESIGN.md
         row["pcie_gbps"] = sig(row["pcie_gb_per_step"] / row["decode_step_ms"] * 1000)
