@@ -242,6 +242,9 @@ def cmd_generate(args) -> None:
     try:
         if args.chat:
             prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        if not args.json:  # (a CPU takes minutes for a long prompt: say what is running)
+            print(f"generating up to {params.max_tokens or 'the model length in'} tokens "
+                  f"({llm.engine.kv_description}) ...", file=sys.stderr, flush=True)
         out = llm.generate(prompt, params, use_tqdm=False)[0]
     except ValueError as e:
         raise SystemExit(f"error: {e}")

@@ -120,6 +120,7 @@ def test_modes_without_json_write_the_default_file_and_compare_to_refuses_anothe
     (["--modes", "oasis", "--draft", "eagle3", "--draft-model", "/no/such/head"], "the draft model /no/such/head is not"),
     (["--batch-sizes", "1", "--prompt-corpus", "austen"], "--prompt-corpus applies to --modes or a sweep"),
     (["--batch-sizes", "1", "--profile-step"], "--profile-step applies to --modes or a sweep"),
+    (["--modes", "dense", "--sweep-concurrency", "1", "--num-prompts", "3"], "--num-prompts does not apply to"),
 ])
 def test_bad_flags_are_refused_before_the_weights_load(tiny, flags, message, monkeypatch):
     """Each was a traceback after the weights loaded (a ZeroDivisionError after a mode's whole workload for

@@ -203,6 +203,8 @@ def test_eval_rejects_empty_sizes_before_loading(monkeypatch, flag, value):
     (["--kv-budget", ","], "--kv-budget lists nothing"),  # an IndexError before
     (["--context", ","], "--context lists nothing"),  # ran nothing and reported 0 contexts
     (["--tasks", "ppl,nosuch"], "--tasks takes tasks among ppl, copy, .*, got 'ppl,nosuch'"),  # after the corpus
+    (["--tasks", "long_output", "--context", "512", "--gen-tokens", "600"],  # once the model had loaded
+     "--gen-tokens 600 must be below the context 512"),
 ])
 def test_eval_rejects_empty_lists_and_unknown_tasks_before_any_work(monkeypatch, flags, message):
     from oasiskv.cli import main

@@ -111,6 +111,9 @@ def check_runs(args, config: EngineConfig) -> None:
             kv.validate(config.cache.block_size, num_layers=sys.maxsize)
         except ValueError as e:
             raise SystemExit(f"error: {kv.mode}: {e}") from None
+    if args.sweep_concurrency and args.num_prompts is not None:  # (taken, ignored, and written to the JSON)
+        raise SystemExit("error: --num-prompts does not apply to --sweep-concurrency: each point runs as many "
+                         "prompts as its concurrency")
     if args.sweep_concurrency and min(parse_list(args.sweep_concurrency, int, "--sweep-concurrency")) < 1:
         raise SystemExit(f"error: --sweep-concurrency takes counts of at least 1, got {args.sweep_concurrency!r}")
 

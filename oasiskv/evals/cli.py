@@ -110,6 +110,8 @@ def check_lists(args: argparse.Namespace) -> None:
     bad_caps = [c for c in args.fetch_cap or [] if not 0 < c <= 1]
     if bad_caps:
         raise SystemExit(f"error: --fetch-cap must be in (0, 1], got {bad_caps[0]:g}")
+    if "long_output" in args.tasks and args.gen_tokens >= min(args.context):  # (found once the model had loaded)
+        raise SystemExit(f"error: --gen-tokens {args.gen_tokens} must be below the context {min(args.context)}")
     if args.plot and not set(args.modes) - {"dense"}:
         raise SystemExit("error: --plot draws each mode's drop against dense: give --modes beyond dense")
 

@@ -18,7 +18,10 @@ class OutputLog:
         parent = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(parent):
             raise FileNotFoundError(f"--save-outputs: the folder {parent} does not exist")
-        open(path, "w").close()
+        try:
+            open(path, "w").close()
+        except OSError as e:  # (a bare "[Errno 2] ..." named no flag)
+            raise FileNotFoundError(f"--save-outputs {path}: cannot write there: {e.strerror or e}") from None
 
     def write(self, context: int, label: str, inputs: dict, produced: dict, references: dict | None,
               decode) -> None:
