@@ -229,3 +229,26 @@ def test_the_plot_draws_lookahead_agreement_as_values(tmp_path, monkeypatch):
     monkeypatch.setattr("matplotlib.axes.Axes.plot", lambda ax, x, y, **kw: drawn.append((list(x), list(y))))
     report.plot(tmp_path / "a.png", rows_for_report() + agreement)
     assert ([512, 1024], [90.0, 95.0]) in drawn
+
+
+def test_a_gutenberg_header_and_licence_are_left_out_of_the_book():
+    """Moby-Dick's file carries Project Gutenberg's header and licence (a 7-digit tax id, shaped like a needle's
+    value, and ZIP codes); a window running past the book's end read them. Only the text between the START and END
+    lines is the book; a text without them is kept whole."""
+    from oasiskv.evals.texts import gutenberg_body
+
+    book = ("The Project Gutenberg EBook of X\n\nRelease Date: 2001\n\n*** START OF THIS PROJECT GUTENBERG EBOOK X ***"
+            "\n\n\nCall me Ishmael.\n\nThe end.\n\nEnd of Project Gutenberg's X\n\n*** END OF THIS PROJECT GUTENBERG "
+            "EBOOK X ***\n\nEIN 64-6221541, Salt Lake City, UT 84116")
+    assert gutenberg_body(book) == "Call me Ishmael.\n\nThe end.\n"
+    assert gutenberg_body("Call me Ishmael.") == "Call me Ishmael."
+
+
+def test_report_numbers_and_context_labels():
+    """A drop that rounds to zero printed "-0.00", 99.999 printed "100.00" beside dense's "100.0"; the plot named
+    a 512-token context "0K" (context // 1024), and 1024 and 1536 both "1K"."""
+    from oasiskv.evals.report import context_label, fmt
+
+    assert fmt("ppl", -0.0004) == "0.00" and fmt("ppl", 99.999) == fmt("ppl", 100.0) == "100.0"
+    assert fmt("niah_single", 12.345) == "12.35" and fmt("kl", -0.0) == "0.0000"
+    assert [context_label(c) for c in (512, 1024, 1536, 8192)] == ["512", "1K", "1.5K", "8K"]

@@ -30,14 +30,20 @@ def with_drops(rows: list[dict]) -> list[dict]:
     return [{**r, "drop": drop(r)} for r in rows]
 
 
+def context_label(context: int) -> str:
+    """4096 -> 4K, 1536 -> 1.5K, 512 -> 512 (context // 1024 named 512 "0K", and 1024 and 1536 both "1K")."""
+    return f"{context / 1024:g}K" if context >= 1024 else str(context)
+
+
 def fmt(metric: str, value: float | None) -> str:
     if value is None:
         return "-"
     if metric == "kl":
-        return f"{value:.4f}"
+        return f"{round(value, 4) + 0.0:.4f}"
     if metric == "seconds":
         return f"{value:.0f}s"
-    return f"{value:.2f}" if abs(value) < 100 else f"{value:.1f}"
+    # rounded first: 99.999 is 100.0 as 100 is, and -0.001 is 0.00 (it printed "-0.00")
+    return f"{round(value, 2) + 0.0:.2f}" if abs(round(value, 2)) < 100 else f"{round(value, 1) + 0.0:.1f}"
 
 
 def table(rows: list[dict], skipped: list[str] = ()) -> str:
@@ -107,7 +113,7 @@ def plot(path: str, rows: list[dict]) -> None:
                 lines[(r["series"], r["context"])].append((r["budget"], plotted(r)))
         for (name, context), points in sorted(lines.items()):
             points.sort()
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{name} {context // 1024}K")
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{name} {context_label(context)}")
         anchored = (task, metric) not in UNANCHORED
         if anchored:
             ax.axhline(0, color="grey", linewidth=0.8)
