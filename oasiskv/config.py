@@ -353,8 +353,10 @@ class DisaggConfig:
             raise ValueError(f"--role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.kv_transfer not in KV_TRANSFERS:
             raise ValueError(f"--kv-transfer must be one of {', '.join(KV_TRANSFERS)}, got {self.kv_transfer!r}")
-        if self.release_timeout_s <= 0 or self.read_timeout_s <= 0:
-            raise ValueError("--kv-release-timeout and --kv-read-timeout must be positive")
+        # (a NaN deadline never expired, and its JSON failed every request; inf never frees a lost request's KV)
+        if not all(0 < t < math.inf for t in (self.release_timeout_s, self.read_timeout_s)):
+            raise ValueError(f"--kv-release-timeout and --kv-read-timeout must be positive and finite, got "
+                             f"{self.release_timeout_s} and {self.read_timeout_s}")
         if self.remote_cache_blocks < 0:
             raise ValueError(f"--remote-cache-blocks must be >= 0, got {self.remote_cache_blocks}")
         if self.local_kv_blocks is not None and self.local_kv_blocks < 1:

@@ -73,6 +73,11 @@ CASES = [
      "--remote-cache-blocks is read only with --role decode; it would be ignored with --role prefill"),
     (["serve", "--role", "decode", "--kv-mode", "oasis", "--kv-release-timeout", "5"],
      "--kv-release-timeout is read only with --role prefill; it would be ignored with --role decode"),
+    # taken before: a NaN deadline never expired (the KV held for good) and its JSON failed every request
+    (["serve", "--role", "prefill", "--kv-mode", "oasis", "--kv-release-timeout", "nan"],
+     "--kv-release-timeout and --kv-read-timeout must be positive and finite, got nan"),
+    (["serve", "--role", "decode", "--kv-mode", "oasis", "--kv-read-timeout", "inf"],
+     "must be positive and finite, got 600.0 and inf"),
 ]
 if not torch.cuda.is_available():
     CASES.append((GENERATE + ["--device", "cuda"], "no CUDA GPU is available here"))

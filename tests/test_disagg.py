@@ -126,8 +126,11 @@ def test_refused_requests_fail_alone_and_free_the_prefills_kv(cluster):
     _, urls = cluster
     released = metric(urls["prefill"], "engine_disagg_released_requests_total")
     with httpx.Client(timeout=300) as http:
+        # a field of the wrong type passes the proxy and the prefill (which never reads it): the decode refused it in
+        # its validation, before `refusing`, and the prompt's KV stayed held for the lease
         for extra, param in (({"logprobs": 1}, "logprobs"), ({"prompt": ["a b", "c d"]}, "prompt"),
-                             ({"max_tokens": 0}, "max_tokens")):
+                             ({"max_tokens": 0}, "max_tokens"),
+                             ({"stream_options": {"include_usage": "maybe"}}, "stream_options")):
             refused = http.post(urls["proxy"] + "/v1/completions", json={**body(4), **extra})
             assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
         echo = http.post(urls["proxy"] + "/v1/completions", json={**body(0), "echo": True})
@@ -143,7 +146,8 @@ def test_refused_requests_fail_alone_and_free_the_prefills_kv(cluster):
     while metric(urls["prefill"], "engine_disagg_requests_held") and time.time() < deadline:
         time.sleep(0.2)
     assert metric(urls["prefill"], "engine_disagg_requests_held") == 0
-    assert metric(urls["prefill"], "engine_disagg_released_requests_total") == released + 3  # logprobs, bad, body(2)
+    # logprobs, stream_options, bad, body(2)
+    assert metric(urls["prefill"], "engine_disagg_released_requests_total") == released + 4
     assert metric(urls["prefill"], "engine_disagg_expired_requests_total") == 0
 
 

@@ -99,7 +99,8 @@ def add_error_handlers(app: FastAPI) -> None:
         return error_response(e.message, e.status, e.param)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_request(_, e: RequestValidationError):  # FastAPI's 422 becomes vLLM's 400
+    async def invalid_request(request, e: RequestValidationError):  # FastAPI's 422 becomes vLLM's 400
+        release_refused_kv(request.app.state.server, e.body)
         errors = e.errors()
         if any(err.get("type") == "json_invalid" for err in errors):
             return error_response(f"the request body is not valid JSON: {errors[0].get('ctx', {}).get('error', '')}")
@@ -170,6 +171,13 @@ def add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/tokenizer_info")
     async def tokenizer_info():
         return tokenizer_info_of(state)
+
+
+def release_refused_kv(state: ServerState, body) -> None:
+    """A body refused before it was a request (its fields' types): its kv_transfer_params go back to the role as
+    `refusing` sends a refused request's (a decode instance held the prefill's KV until its lease ended)."""
+    if state.disagg is not None and isinstance(body, dict) and isinstance(body.get("kv_transfer_params"), dict):
+        state.disagg.refused(body["kv_transfer_params"], state.loop)
 
 
 async def refusing(state: ServerState, body, response):
