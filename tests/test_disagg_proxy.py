@@ -46,6 +46,10 @@ def stand_ins(seen: dict) -> tuple[FastAPI, FastAPI]:
     @decode.post("/v1/completions")
     async def decode_route(request: Request):
         body = seen["decode"] = await request.json()
+        seen.setdefault("decode bodies", []).append(body)
+        if body.get("prompt") in ("full", "full for now") and \
+                (body["prompt"] == "full" or len(seen["decode bodies"]) < 3):  # no room on the decode (now)
+            return JSONResponse({"error": {"message": "no room; retry later", "code": 503}}, status_code=503)
         if body.get("prompt") == "slow":  # until the proxy drops the request (or 10 s)
             for _ in range(100):
                 if await request.is_disconnected():
@@ -195,3 +199,24 @@ def test_a_caller_that_leaves_drops_the_decode_request(proxied):
             break
         asyncio.run(asyncio.sleep(0.1))
     assert seen.get("decode dropped")
+
+
+def test_a_decodes_503_is_sent_again_with_the_same_params(monkeypatch):
+    """A decode without room now answers 503, and the prefill keeps the prompt's KV for a resend with the same
+    kv_transfer_params; the proxy sent none, so that KV waited for its lease. It resends now, for decode_retry_s."""
+    from oasiskv.disagg.proxy import Proxy
+
+    monkeypatch.setattr(Proxy, "decode_retry_s", 0.5)
+    seen: dict = {}
+    prefill, decode = stand_ins(seen)
+    with BackgroundServer(prefill) as prefill_url, BackgroundServer(decode) as decode_url:
+        with BackgroundServer(build_proxy_app(prefill_url, decode_url)) as url:
+            with httpx.Client(base_url=url, timeout=30) as client:
+                body = {"prompt": "full for now", "max_tokens": 4}
+                out = client.post("/v1/completions", json=body)
+                assert out.status_code == 200 and out.json()["choices"][0]["text"] == "AB"
+                sent = seen.pop("decode bodies")
+                assert len(sent) == 3 and all(b["kv_transfer_params"] == PARAMS for b in sent)
+                refused = client.post("/v1/completions", json={**body, "prompt": "full"})
+                assert refused.status_code == 503 and len(seen["decode bodies"]) > 2  # resent, then given up
+

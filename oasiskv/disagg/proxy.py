@@ -21,6 +21,10 @@ DISCONNECT_POLL_S = 0.5  # how often a waiting request checks that its caller is
 
 
 class Proxy:
+    # a decode's 503 (no room now) is sent again, with the same kv_transfer_params, for this long: the prefill keeps
+    # the prompt's KV for such a resend (without one it waited for its lease to end)
+    decode_retry_s = 30.0
+
     def __init__(self, prefill_url: str, decode_url: str):
         self.prefill, self.decode = prefill_url.rstrip("/"), decode_url.rstrip("/")
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10))
@@ -41,7 +45,18 @@ class Proxy:
         params = first_json.get("kv_transfer_params")
         if params is None:  # the first token ended it (a stop): that is the whole answer
             return final_from_prefill(first_json, body, path)
-        return await until_gone(client, self.send(self.decode + path, {**body, "kv_transfer_params": params}))
+        return await until_gone(client, self.send_to_decode(path, {**body, "kv_transfer_params": params}))
+
+    async def send_to_decode(self, path: str, body: dict) -> Response:
+        """The decode's answer; a 503 (no room for the prompt now) is sent again after a pause that doubles up to a
+        second, for decode_retry_s; then the 503 is the answer."""
+        pause, waited = 0.05, 0.0
+        while True:
+            response = await self.send(self.decode + path, body)
+            if response.status_code != 503 or waited >= self.decode_retry_s:
+                return response
+            await asyncio.sleep(pause)
+            waited, pause = waited + pause, min(2 * pause, 1.0)
 
     async def send(self, url: str, body: dict) -> Response:
         request = self.client.build_request("POST", url, json=body)
