@@ -32,13 +32,17 @@ def bias_pairs(bias) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
+def check_truncation(size) -> None:
+    if not (is_integer(size) and (size >= 1 or size == -1)):
+        raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or -1 (the model's length), got {size!r}")
+
+
 def left_truncated(prompt_ids: list[int], size: int | None, max_model_len: int) -> list[int]:
     """vLLM's truncate_prompt_tokens: the prompt's last `size` tokens (-1: max_model_len; None: all of them); a size
     above max_model_len is refused, as vLLM refuses it."""
     if size is None:
         return prompt_ids
-    if not (is_integer(size) and (size >= 1 or size == -1)):
-        raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or -1 (the model's length), got {size!r}")
+    check_truncation(size)
     if size > max_model_len:
         raise ValueError(f"truncate_prompt_tokens {size} is greater than max_model_len {max_model_len}; choose a "
                          f"smaller size, or -1 for the model's length")
@@ -177,9 +181,8 @@ class SamplingParams:
         if self.allowed_token_ids is not None and (not self.allowed_token_ids or min(self.allowed_token_ids) < 0):
             raise ValueError(f"allowed_token_ids must be a non-empty list of token ids >= 0, got "
                              f"{list(self.allowed_token_ids)[:5]}")
-        k = self.truncate_prompt_tokens
-        if k is not None and not (is_integer(k) and (k >= 1 or k == -1)):
-            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or -1 (the model's length), got {k!r}")
+        if self.truncate_prompt_tokens is not None:
+            check_truncation(self.truncate_prompt_tokens)
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and not (is_integer(k) and 0 <= k <= MAX_LOGPROBS):

@@ -84,4 +84,3 @@ def banned_by_bad_words(word_ids: tuple[tuple[int, ...], ...], output: list[int]
     """The ids that would complete a bad word after this output (its other tokens end the output)."""
     return tuple(ids[-1] for ids in word_ids
                  if len(ids) <= len(output) + 1 and tuple(output[len(output) - len(ids) + 1:]) == ids[:-1])
-

@@ -59,6 +59,7 @@ class Sampler:
         self.seed_source = random.Random(seed)
         self.generators: dict[str, torch.Generator] = {}
         self.prompt_seen: dict[str, torch.Tensor] = {}  # request -> its prompt's token mask (repetition penalty)
+        self.allowed: dict[str, torch.Tensor] = {}  # request -> its allowed_token_ids on the device, made once
 
     def generator_for(self, request_id: str, params: SamplingParams) -> torch.Generator:
         if request_id not in self.generators:
@@ -91,7 +92,9 @@ class Sampler:
         logits = logits.clone()
         for i, (rid, p, history) in enumerate(zip(request_ids, params, histories or [None] * len(params))):
             if p.allowed_token_ids:
-                allowed = torch.tensor(p.allowed_token_ids, device=logits.device)
+                if rid not in self.allowed:  # (a host-to-device copy per request, not per step)
+                    self.allowed[rid] = torch.tensor(p.allowed_token_ids, device=logits.device)
+                allowed = self.allowed[rid]
                 kept = logits[i, allowed]
                 logits[i] = float("-inf")
                 logits[i, allowed] = kept
@@ -116,3 +119,4 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
         self.prompt_seen.pop(request_id, None)
+        self.allowed.pop(request_id, None)
