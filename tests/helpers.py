@@ -60,11 +60,13 @@ def write_tiny_config(directory, model_type: str = "llama", num_layers: int = 2)
     return str(directory)
 
 
-def write_gguf(path, hf_model, arch: str, rope_factors: list[float] | None = None, sampling: dict | None = None) -> str:
+def write_gguf(path, hf_model, arch: str, rope_factors: list[float] | None = None, sampling: dict | None = None,
+               rope_scaling: tuple[str, float] | None = None) -> str:
     """A transformers model's fp32 weights as a GGUF the way llama.cpp's converter writes one: its metadata keys
     (key_length / value_length as it writes them for a config with head_dim), llama.cpp's tensor names, the q / k
     rows permuted for the llama architecture, `rope_factors` (if any) as the rope_freqs tensor, and `sampling` (if any:
-    {"temp": 0.6, "top_k": 20, ...}) as general.sampling.* keys with gguf's writers. Returns the path."""
+    {"temp": 0.6, "top_k": 20, ...}) as general.sampling.* keys with gguf's writers, and `rope_scaling` (if any:
+    ("linear", 4.0)) as the <arch>.rope.scaling.type / .factor keys. Returns the path."""
     import gguf
 
     from oasiskv.models.loader import GGUF_NAMES
@@ -86,6 +88,9 @@ def write_gguf(path, hf_model, arch: str, rope_factors: list[float] | None = Non
     writer.add_vocab_size(cfg.vocab_size)
     for name, value in (sampling or {}).items():
         getattr(writer, f"add_sampling_{name}")(value)
+    if rope_scaling is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling[0]))
+        writer.add_rope_scaling_factor(rope_scaling[1])
     if rope_factors is not None:
         writer.add_tensor("rope_freqs.weight", torch.tensor(rope_factors, dtype=torch.float32).numpy())
     for name, w in hf_model.state_dict().items():

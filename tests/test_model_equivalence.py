@@ -206,6 +206,18 @@ def test_a_llama3_gguf_applies_its_rope_freqs_factors(tmp_path, monkeypatch):
     assert_gguf_matches_transformers(hf, write_gguf(tmp_path / "llama3.gguf", hf, "llama", factors))
 
 
+def test_a_gguf_applies_its_linear_rope_scaling_and_refuses_yarn(tmp_path, monkeypatch):
+    """llama.cpp's converter writes a linear RoPE scaling as llama.rope.scaling.type / .factor keys, which
+    transformers' GGUF reader does not map: such a GGUF ran unscaled (found by a helper's audit of the models). YaRN,
+    which OasisKV does not implement, is refused rather than run unscaled."""
+    monkeypatch.setenv("OASISKV_GGUF_CACHE", str(tmp_path / "cache"))
+    hf = random_hf(LlamaConfig(**TINY, rope_scaling={"rope_type": "linear", "factor": 4.0}))
+    assert_gguf_matches_transformers(hf, write_gguf(tmp_path / "linear.gguf", hf, "llama", rope_scaling=("linear", 4.0)))
+    yarn = write_gguf(tmp_path / "yarn.gguf", hf, "llama", rope_scaling=("yarn", 4.0))
+    with pytest.raises(ValueError, match="llama.rope.scaling.type 'yarn' .* is not supported"):
+        load_model(yarn, "auto", torch.device("cpu"), torch.float32, show_progress=False, with_tokenizer=False)
+
+
 def test_a_qwen3_gguf_takes_head_dim_from_key_length(tmp_path, monkeypatch):
     """transformers' GGUF reader drops qwen3.attention.key_length, and Qwen3's head_dim is neither hidden / heads nor
     always the default 128: a head_dim of 32 loaded as 128 before (q_proj's shape did not fit)."""

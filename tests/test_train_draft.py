@@ -287,3 +287,18 @@ def test_an_interrupt_says_whether_anything_is_left_to_resume(tmp_path):
     assert interrupted_message(str(tmp_path)).endswith("keeps data.pt: --resume continues")
     (tmp_path / "checkpoint.pt").write_bytes(b"")
     assert interrupted_message(str(tmp_path)).endswith("keeps data.pt and checkpoint.pt: --resume continues")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--lr", "0.05"), r"--lr 0.01 \(now 0.05\)"),
+    (("--steps", "16"), r"--steps \(or --epochs\) 12 \(now 16\)"),
+    (("--batch-size", "2"), r"--batch-size 4 \(now 2\)")])
+def test_resume_refuses_other_optimisation_flags(trained, target_dir, tmp_path, extra, message):
+    """--resume with another --lr ran at the saved optimizer's old rate (the new one was dropped, yet training.json
+    recorded it), and another --steps continued the old schedule's last rate into the new one; found by a helper's
+    audit of the drafts."""
+    out, _ = trained
+    for name in ("data.pt", "checkpoint.pt"):
+        shutil.copy(out / name, tmp_path / name)
+    with pytest.raises(ValueError, match=message):
+        train(train_args(target_dir, tmp_path, "--resume", *extra))

@@ -269,7 +269,7 @@ def fit(head, target, conversations, vocab_ids, args, device, dtype, on_step) ->
     steps = total_steps(args, len(conversations))
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps, args.warmup))
-    start = load_checkpoint(args, head, opt, sched) if args.resume else 0
+    start = load_checkpoint(args, head, opt, sched, steps) if args.resume else 0
     lengths = [len(c.token_ids) for c in conversations]
     batches = itertools.islice(draft_data.schedule(lengths, args.batch_size, args.seed, steps), start, None)
     bar = tqdm(total=steps, initial=start, desc="train-draft", dynamic_ncols=True)
@@ -283,12 +283,12 @@ def fit(head, target, conversations, vocab_ids, args, device, dtype, on_step) ->
             bar.update(1)
             saved = (step + 1) % args.checkpoint_every == 0 or step + 1 == steps
             if saved:
-                save_checkpoint(args, head, opt, sched, step + 1)
+                save_checkpoint(args, head, opt, sched, step + 1, steps)
             if on_step:
                 on_step(step + 1)
             if interrupted():  # Ctrl-C or a kill: the steps since the last checkpoint are kept
                 if not saved:
-                    save_checkpoint(args, head, opt, sched, step + 1)
+                    save_checkpoint(args, head, opt, sched, step + 1, steps)
                 bar.close()
                 print(f"interrupted: checkpoint saved at step {step + 1} of {steps} (a second Ctrl-C during a step "
                       "stops at once)")
@@ -334,14 +334,24 @@ def evaluate(head, target, conversations, vocab_ids, args, device, dtype) -> lis
 # -- checkpoints and records ----------------------------------------------------------------------------
 
 
-def save_checkpoint(args, head, opt, sched, step: int) -> None:
+# the flags that shape the optimisation: a resumed run must keep them (the optimizer and schedule states restore the
+# old learning rate, and the batches follow the seed and the step count)
+RESUME_FLAGS = ("lr", "warmup", "batch_size", "seed", "ttt_length", "ttt_decay", "clip")
+
+
+def run_settings(args, steps: int) -> dict:
+    return {"steps": steps, **{name: getattr(args, name) for name in RESUME_FLAGS}}
+
+
+def save_checkpoint(args, head, opt, sched, step: int, steps: int) -> None:
     path = os.path.join(args.out, "checkpoint.pt")
-    state = {"step": step, "head": head.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()}
+    state = {"step": step, "head": head.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+             "settings": run_settings(args, steps)}
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)  # a crash mid-write leaves the previous checkpoint intact
 
 
-def load_checkpoint(args, head, opt, sched) -> int:
+def load_checkpoint(args, head, opt, sched, steps: int) -> int:
     path = os.path.join(args.out, "checkpoint.pt")
     if not os.path.isfile(path):
         print(f"--resume: no {path} yet, starting at step 0")
@@ -359,10 +369,24 @@ def load_checkpoint(args, head, opt, sched) -> int:
         first = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)
         raise ValueError(f"{path} holds a head for another target ({first}); give another --out to start "
                          "again") from None
+    check_settings(path, state.get("settings"), run_settings(args, steps))
     opt.load_state_dict(state["optimizer"])
     sched.load_state_dict(state["scheduler"])
     print(f"--resume: continuing at step {state['step']}")
     return state["step"]
+
+
+def check_settings(path: str, saved: dict | None, now: dict) -> None:
+    """Refuses to resume with other optimisation flags: they would be dropped (the saved optimizer's learning
+    rate wins) or mix two schedules in one run."""
+    if saved is None:  # (a checkpoint written before the settings were saved)
+        return
+    changed = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
+    if changed:
+        flags = ", ".join(f"{'--steps (or --epochs)' if k == 'steps' else '--' + k.replace('_', '-')} {old} "
+                          f"(now {new})" for k, (old, new) in changed.items())
+        raise ValueError(f"{path} was trained with {flags}: resume with the same flags, or give another --out to "
+                         "start again")
 
 
 def write_record(args, num_train: int, accuracy: list[float], times: dict) -> None:

@@ -24,8 +24,8 @@ import tempfile
 
 DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "oasiskv", "gguf")
 # what an entry holds: 2 adds own_reading to the config (entries stored before it lack head_dim and rope_freqs);
-# 3 adds the sampling defaults to the tensor index
-ENTRY_FORMAT = 3
+# 3 adds the sampling defaults to the tensor index; 4 reads <arch>.rope.scaling.*
+ENTRY_FORMAT = 4
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's RoPE frequency factors: read into the config, not loaded as a weight
 # llama.cpp's recommended sampler settings (general.sampling.*) that mean what vLLM's SamplingParams fields mean.
 # Left out: penalty_repeat (llama.cpp applies it to the last penalty_last_n tokens, vLLM's repetition_penalty to the
@@ -64,7 +64,7 @@ def config(path: str, mtime_ns: int, size: int) -> dict:
 
 def own_reading(reader) -> dict:
     """The config keys transformers' reader leaves out (those of the GGUF that has them)."""
-    out = {"head_dim": head_dim_of(reader), "rope_scaling": rope_freqs_scaling(reader)}
+    out = {"head_dim": head_dim_of(reader), "rope_scaling": rope_scaling_of(reader)}
     return {key: value for key, value in out.items() if value is not None}
 
 
@@ -77,6 +77,23 @@ def head_dim_of(reader) -> int | None:
         raise ValueError(f"{arch}.attention.key_length {key_length} != value_length {value_length}: OasisKV's "
                          "attention needs one head size for keys and values")
     return None if key_length is None else int(key_length)
+
+
+def rope_scaling_of(reader) -> dict | None:
+    """The RoPE scaling the GGUF declares: llama.cpp's converter writes a linear scaling as <arch>.rope.scaling.type
+    and .factor keys (and YaRN or LongRoPE with more keys, which OasisKV does not implement: refused rather than run
+    unscaled), Llama 3's as the rope_freqs tensor."""
+    arch = str(reader.fields["general.architecture"].contents())
+    kind = field_value(reader, f"{arch}.rope.scaling.type")
+    factors = rope_freqs_scaling(reader)
+    if kind in (None, "none"):
+        return factors
+    factor = field_value(reader, f"{arch}.rope.scaling.factor")
+    if kind != "linear" or factors is not None or factor is None:
+        also = ", with a rope_freqs tensor" if factors else ""
+        raise ValueError(f"{arch}.rope.scaling.type {kind!r} (factor {factor}{also}) is not supported: OasisKV "
+                         "implements linear RoPE scaling (with its factor) and Llama 3's rope_freqs")
+    return {"rope_type": "linear", "factor": float(factor)}
 
 
 def rope_freqs_scaling(reader) -> dict | None:
