@@ -5,7 +5,7 @@ prompt + output, less the prompt's text; byte-level BPE (the embedded model's) g
 from __future__ import annotations
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from oasiskv.config import SamplingParams
@@ -85,3 +85,47 @@ def test_a_tokenizer_path_without_a_tokenizer_is_a_clear_error_before_any_weight
     for path in (tmp_path / "missing", tmp_path / "model"):  # no such path; a directory with a config only
         with pytest.raises(FileNotFoundError, match=f"--tokenizer {path}: not a .gguf file nor a directory with"):
             LLM(model=model, tokenizer=str(path), load_format="dummy", show_progress=False, kv_cache_gb=0.01)
+
+
+def byte_fallback_tokenizer() -> PreTrainedTokenizerFast:
+    """Llama 2 / Mistral style: BPE over Metaspace text, with bytes <0x00>..<0xFF> for characters out of the
+    vocabulary, and tokenizers' ByteFallback decoder."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{i:02X}>": 3 + i for i in range(256)}}
+    for c in "\u2581abcdefghijklmnopqrstuvwxyz.!":
+        vocab.setdefault(c, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+class Finished:
+    text, finish_reason, stop_reason = None, "length", None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_byte_fallback_text_keeps_its_finished_characters(seed):
+    """Text cut inside a character spelled in byte tokens: ByteFallback's decoder turns the whole run of byte
+    tokens into U+FFFD when its last character is unfinished, and stripping those took the run's finished characters
+    with them, so the final text lost a character the stream had already sent (found by a helper's audit of the
+    tokenizers). Reference: the text of the whole output, which every cut's text must begin, and, for a cut after a
+    finished character, equal up to it."""
+    import random
+
+    hf = byte_fallback_tokenizer()
+    tok, rng = HFTokenizer(hf), random.Random(seed)
+    prompt = hf.encode("say it")
+    alphabet = list("ab c.!") + ["\u65e5", "\u672c", "\u00e9", "\U0001f600"]
+    for _ in range(40):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 10)))
+        ids = hf.encode(text, add_special_tokens=False)
+        full = reference(hf, prompt, ids)
+        cut = rng.randrange(1, len(ids) + 1)
+        final = tok.decode_after(tok.text_context(prompt), ids[:cut])
+        whole_chars = [reference(hf, prompt, ids[:k]) for k in range(cut + 1)]
+        assert final == max((t for t in whole_chars if "\ufffd" not in t), key=len), (text, cut)
+        assert full.startswith(final)
+        stream = TextStream(tok, SamplingParams(), prompt)
+        sent = "".join(stream.push([i]) for i in ids[:cut - 1]) + stream.finish(ids[cut - 1:cut], Finished())[0]
+        assert sent == final

@@ -6,6 +6,7 @@ import os
 from typing import Sequence
 
 PRIMING_TOKENS = (4, 24)  # how many prompt tokens an output is decoded after (HFTokenizer.text_context)
+UTF8_MAX_BYTES = 4
 
 
 def whole_characters(text: str) -> str:
@@ -48,13 +49,24 @@ class HFTokenizer:
         after the prompt's last tokens (`context`, from text_context), whose own text is then cut off. Decoded
         alone, a SentencePiece token's word-start marker at the beginning is dropped (" Paris" came out "Paris");
         byte-level BPE gives the same text either way. skip_special_tokens False keeps the special tokens' text.
-        An unfinished character at the end is left out (whole_characters)."""
+        An unfinished character at the end is left out: the text of the ids before its bytes (byte fallback's
+        decoder turns a whole run of byte tokens into U+FFFD when its last character is unfinished, so stripping
+        the U+FFFDs took the run's finished characters too), else the text without its trailing U+FFFDs."""
+        text = self._text_after(context, ids, skip_special_tokens)
+        if not text.endswith("\ufffd"):
+            return text
+        for cut in range(1, min(UTF8_MAX_BYTES, len(ids) + 1)):  # the unfinished character's 1 to 3 bytes
+            shorter = self._text_after(context, ids[:len(ids) - cut], skip_special_tokens)
+            if not shorter.endswith("\ufffd"):
+                return shorter
+        return whole_characters(text)
+
+    def _text_after(self, context: Sequence[int], ids: Sequence[int], skip_special_tokens: bool) -> str:
         if not context:
-            return whole_characters(self.decode(ids, skip_special_tokens))
+            return self.decode(ids, skip_special_tokens)
         before = self.decode(context, skip_special_tokens)
         whole = self.decode(list(context) + list(ids), skip_special_tokens)
-        text = whole[len(before):] if whole.startswith(before) else self.decode(ids, skip_special_tokens)
-        return whole_characters(text)
+        return whole[len(before):] if whole.startswith(before) else self.decode(ids, skip_special_tokens)
 
     def text_context(self, prompt_ids: Sequence[int]) -> list[int]:
         """The prompt tokens an output is decoded after (once per request): the last 4 to 24, the fewest that
