@@ -141,6 +141,40 @@ def test_aborting_a_request_in_flight_leaves_the_others_alone(tmp_path, mode):
     assert {rid: engine.requests[rid].output_token_ids for rid in expected} == expected
 
 
+@pytest.mark.parametrize("mode", ["dense", "oasis"])
+@pytest.mark.parametrize("ended_by", ["abort", "stop token"])
+def test_an_id_reused_while_its_old_token_is_in_flight_gets_only_its_own_tokens(tmp_path, mode, ended_by):
+    """A request that ended (aborted, or stopped by a token: the step after it still runs) with its next token in
+    flight, popped, and its id given to a new request at once: the old token landed in the new request, which then
+    decoded from it (found by a helper's audit of the engine). Reference: the new prompt alone, synchronously."""
+    greedy = SP(temperature=0, max_tokens=8, ignore_eos=True)
+    old_prompt, new_prompt = prompts(2)["0"], prompts(2)["1"]
+    alone = tiny_engine(tmp_path, mode, False)
+    alone.add_request(new_prompt, greedy, request_id="x")
+    while alone.has_unfinished():
+        alone.step()
+    first = tiny_engine(tmp_path, mode, False)
+    first.add_request(old_prompt, greedy, request_id="x")
+    first.step()
+    old_first = first.requests["x"].output_token_ids[0]
+    engine = tiny_engine(tmp_path, mode, True)
+    stop = [old_first] if ended_by == "stop token" else None
+    engine.add_request(old_prompt, dataclasses.replace(greedy, stop_token_ids=stop), request_id="x")
+    while not engine.requests["x"].output_token_ids:
+        engine.step()
+    if ended_by == "abort":
+        engine.step()
+        assert engine.requests["x"].num_pending == 1
+        engine.abort("x")
+    assert engine.requests["x"].finished and "x" in engine.in_flight.request_ids
+    engine.pop_finished("x")
+    engine.add_request(new_prompt, greedy, request_id="x")
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.requests["x"].output_token_ids == alone.requests["x"].output_token_ids
+    assert not engine.requests["x"].num_pending
+
+
 def test_logprobs_pause_async_scheduling_and_match_the_synchronous_run(tmp_path):
     """The server's logprob sampler records each sampled token's logprob beside it: while a request wants them,
     the engine reads each step before planning the next, and the logprobs are those of the synchronous run."""

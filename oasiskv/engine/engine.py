@@ -237,11 +237,12 @@ class LLMEngine:
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)) and all(map(is_integer, prompt)):
             text, ids = None, [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise ValueError(f"token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}")
         else:
             raise ValueError(f"a prompt is a string or a list of integer token ids, got {reprlib.repr(prompt)}")
+        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:  # (a text's too: a tokenizer larger than the model's vocabulary)
+            source = "the prompt's text encodes to " if text is not None else ""
+            raise ValueError(f"{source}token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}")
         ids = params.truncated(ids, self.max_model_len)
         if params.max_tokens is None:  # vLLM's: up to the model length
             params = dataclasses.replace(params, max_tokens=max(1, self.max_model_len - len(ids)))
@@ -344,19 +345,20 @@ class LLMEngine:
             else:
                 self.stats.prefill_tokens += len(c.token_ids)
 
-    def accept_tokens(self, request_ids: list[str], tokens: list[int], chunks, drafts) -> list[Request]:
+    def accept_tokens(self, request_ids: list[str], tokens: list[int], chunks, drafts,
+                      stale: frozenset[str] = frozenset()) -> list[Request]:
         """A step's sampled tokens (and the drafts that ran beside it, int64 on the host, row i: chunks[i]) into
         the requests. Returns the requests that finished. A request that ended meanwhile (aborted while its token
-        was in flight) is skipped."""
+        was in flight) is skipped, as is an id in `stale` (a new request's now)."""
         if drafts is not None:  # the drafts the device made in that step, for the counts below
             for c, draft in zip(chunks, drafts.tolist()):
                 req = self.requests.get(c.request_id)
-                if req is not None:
+                if req is not None and c.request_id not in stale:
                     req.draft_token_id = draft
         finished = []
         for rid, tok in zip(request_ids, tokens):
             req = self.requests.get(rid)
-            if req is None or req.finished:
+            if req is None or req.finished or rid in stale:
                 continue
             if req.draft_token_id is not None:  # the draft that ran beside this step guessed `tok`
                 self.stats.draft_tokens += 1
@@ -401,11 +403,12 @@ class LLMEngine:
         """Reads the tokens of the step in flight (waiting for it) and applies them."""
         flight, self.in_flight = self.in_flight, None
         tokens = flight.read()
+        stale = flight.stale(self.requests)
         for rid in flight.request_ids:
             req = self.requests.get(rid)
-            if req is not None and req.num_pending:
+            if req is not None and req.num_pending and rid not in stale:
                 req.num_pending -= 1  # (last_pending stays: it may be the next step's, already launched)
-        return self.accept_tokens(flight.request_ids, tokens, flight.chunks, flight.drafts)
+        return self.accept_tokens(flight.request_ids, tokens, flight.chunks, flight.drafts, stale)
 
     def propose_drafts(self, result) -> None:
         """The draft source sees what the step computed and guesses the token after each new one."""

@@ -14,7 +14,7 @@ What this costs: a request that stops on a token (EOS, a stop token or string) r
 dropped. Its length limit is known ahead (Request.last_pending), so none is planned after its last token."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,9 @@ class InFlight:
     drafts: torch.Tensor | None  # the drafts that ran beside the step, on the host (StepResult.draft_ids)
     chunks: list  # the step's chunks (decodes first)
     done: torch.cuda.Event | None
+    # the Request objects of the step's chunks: a request that ended while its token was in flight may have given its
+    # id to a new request, which must not receive the old one's token
+    owners: dict = field(default_factory=dict)
 
     @classmethod
     def launch(cls, result: StepResult, requests: dict, max_model_len: int, sampler, to_host) -> InFlight:
@@ -49,7 +52,13 @@ class InFlight:
             req.last_pending = (len(req.output_token_ids) + req.num_pending >= req.params.max_tokens
                                 or req.num_tokens >= max_model_len)
         row_of = {rid: i for i, rid in enumerate(result.request_ids)}
-        return cls(PendingTokens(tokens, row_of), result.request_ids, host, result.draft_ids, result.chunks, done)
+        owners = {c.request_id: requests[c.request_id] for c in result.chunks}
+        return cls(PendingTokens(tokens, row_of), result.request_ids, host, result.draft_ids, result.chunks, done,
+                   owners)
+
+    def stale(self, requests: dict) -> set[str]:
+        """The step's request ids that name another request now (or none)."""
+        return {rid for rid, req in self.owners.items() if requests.get(rid) is not req}
 
     def read(self) -> list[int]:
         if self.done is not None:

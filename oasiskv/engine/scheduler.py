@@ -75,7 +75,9 @@ class Scheduler:
         if n == 0:
             raise ValueError("the prompt is empty")
         if n >= self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens; max_model_len is {self.max_model_len}")
+            raise ValueError(f"prompt has {n} tokens; max_model_len is {self.max_model_len}, and a prompt leaves room "
+                             f"for one output token: at most {self.max_model_len - 1} (truncate_prompt_tokens "
+                             f"{self.max_model_len - 1} keeps its last tokens)")
         # the last sampled token's K/V is never computed: the request ends as it is sampled
         longest = min(n + req.params.max_tokens, self.max_model_len) - 1
         if self.blocks_for(longest) > self.allocator.num_blocks:
