@@ -87,3 +87,17 @@ def test_bad_shapes_are_clear_errors(bad, message):
     args.update(bad)
     with pytest.raises(ValueError, match=message):
         ngram_lookup(**args)
+
+
+@pytest.mark.parametrize("lengths, table_entry, message", [
+    ([11, 4], 0, r"lengths must be in \[1, 9\), got values in \[4, 11\]"),  # 11 tokens in a table of 2 x 4
+    ([0, 4], 0, r"lengths must be in \[1, 9\)"),
+    ([5, 4], 7, r"tables entries of the blocks read must be in \[0, 4\), got values in \[0, 7\]")])
+def test_values_out_of_range_are_clear_errors_on_the_cpu(lengths, table_entry, message):
+    """The kernel trusts its lengths and table entries: a length beyond the table read past it (a segfault under the
+    interpreter) and the torch twin failed on an unrelated gather; found by a helper's audit of the kernels. An entry
+    of an unread block (row 1's second) is not checked."""
+    tables = torch.tensor([[0, table_entry], [1, 9]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=message):
+        ngram_lookup(torch.zeros(4, 4, dtype=torch.int32), tables, torch.tensor(lengths, dtype=torch.int32),
+                     torch.zeros(2, dtype=torch.long))

@@ -60,3 +60,27 @@ def test_bad_inputs_raise():
         append_to_tails(kv, slot_of.long(), 0, rows, tail, fill, k, v)
     with pytest.raises(ValueError, match="both draft_k and draft_v"):
         append_to_tails(kv, slot_of, 0, rows, tail, fill, k, v, draft_k=k)
+
+
+@pytest.mark.parametrize("change, draft, message", [
+    (dict(fill=8), True, r"fill must be in \[1, 8\)"),  # no room after x_t for the draft: it overwrote V[0]
+    (dict(fill=0), False, r"fill must be in \[1, 9\)"),  # x_t at offset -1: the slot before's V
+    (dict(slot=-1), False, r"the tails' slots \(slot_of\) must be in \[0, 60\)"),  # a tail not resident
+    (dict(row=5), False, r"rows must be in \[0, 5\)"),
+    (dict(tail=6), False, r"tail must be in \[0, 6\)")])
+def test_values_out_of_range_are_clear_errors_on_the_cpu(change, draft, message):
+    """The kernel writes where rows, tail, fill and slot_of point: out of range it wrote another slot's K/V or before
+    the pool, silently (the twin raised IndexError or wrapped to offset -1); found by a helper's audit of the kernels."""
+    kv, slot_of, rows, tail, fill, k, v, (dk, dv) = make_case(2, draft=draft)
+    if "fill" in change:
+        fill[0] = change["fill"]
+    if "slot" in change:
+        slot_of[1, rows[0], tail[0]] = change["slot"]
+    if "row" in change:
+        rows[0] = change["row"]
+    if "tail" in change:
+        tail[0] = change["tail"]
+    before = kv.clone()
+    with pytest.raises(ValueError, match=message):
+        append_to_tails(kv, slot_of, 1, rows, tail, fill, k, v, dk, dv)
+    assert torch.equal(kv, before)

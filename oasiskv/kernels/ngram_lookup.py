@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from oasiskv.kernels.value_checks import interpreted
+from oasiskv.kernels.value_checks import check_range, check_table_reads, checks_values, interpreted
 
 __all__ = ["ngram_lookup", "ngram_lookup_reference", "write_step_tokens"]
 
@@ -96,10 +96,23 @@ def ngram_lookup_reference(pool, tables, lengths, out, max_n: int = 3, min_n: in
     return out
 
 
-def ngram_lookup(pool, tables, lengths, out, max_n: int = 3, min_n: int = 1) -> torch.Tensor:
+def check_reads(pool, tables, lengths) -> None:
+    """Each length within [1, the table's tokens] and each table entry it reaches within the pool."""
+    bs = pool.shape[1]
+    check_range("lengths", lengths, 1, tables.shape[1] * bs + 1)
+    blocks = torch.arange(tables.shape[1], device=tables.device)[None, :].expand_as(tables)
+    used = blocks < (lengths.long()[:, None] + bs - 1) // bs
+    check_table_reads("tables", tables, torch.where(used, blocks, -1), pool.shape[0])
+
+
+def ngram_lookup(pool, tables, lengths, out, max_n: int = 3, min_n: int = 1,
+                 check_values: bool | None = None) -> torch.Tensor:
     """Writes row b's draft token into out[b] (int64 [B], e.g. the draft rows of a step's input ids). Every
-    length must be at least 1 (not checked: it would cost a sync)."""
+    length must be at least 1 and every table entry a row reads a pool block: checked where that costs no sync
+    (value_checks.checks_values), since the kernel would read outside the pool."""
     _check(pool, tables, lengths, out, max_n, min_n)
+    if checks_values(check_values, pool.device):
+        check_reads(pool, tables, lengths)
     interpret = interpreted() and not pool.is_cuda
     if not (pool.is_cuda or interpret):
         return ngram_lookup_reference(pool, tables, lengths, out, max_n, min_n)

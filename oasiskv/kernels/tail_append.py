@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from oasiskv.kernels.value_checks import check_range, checks_values
+
 __all__ = ["append_to_tails", "append_to_tails_reference"]
 
 
@@ -50,13 +52,35 @@ def _check(kv_layer, slot_of, rows, tail, fill, k, v, draft_k, draft_v):
     for name, t in (("k", k), ("v", v)) + ((("draft_k", draft_k), ("draft_v", draft_v)) if draft_k is not None else ()):
         if tuple(t.shape) != (b, *token) or t.dtype != kv_layer.dtype:
             raise ValueError(f"{name} must be {kv_layer.dtype} {(b, *token)}, got {t.dtype} {tuple(t.shape)}")
-    if tail.shape != (b,) or fill.shape != (b,):
-        raise ValueError(f"tail and fill must be [{b}], got {tuple(tail.shape)} and {tuple(fill.shape)}")
+    if tail.shape != (b,) or fill.shape != (b,) or rows.dim() != 1:
+        raise ValueError(f"rows, tail and fill must be [{b}], got {tuple(rows.shape)}, {tuple(tail.shape)} and "
+                         f"{tuple(fill.shape)}")
+    for name, t in (("rows", rows), ("tail", tail), ("fill", fill)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
+    for name, t in (("slot_of", slot_of), ("rows", rows), ("tail", tail), ("fill", fill), ("k", k), ("v", v)):
+        if t.device != kv_layer.device:
+            raise ValueError(f"{name} is on {t.device}, kv_layer on {kv_layer.device}")
 
 
-def append_to_tails(kv_layer, slot_of, layer: int, rows, tail, fill, k, v, draft_k=None, draft_v=None) -> torch.Tensor:
-    """See the module docstring. Triton on CUDA tensors and under TRITON_INTERPRET=1, else the torch twin."""
+def check_values_of(kv_layer, slot_of, layer: int, rows, tail, fill, draft: bool) -> None:
+    """The kernel writes where these values point: each row and tail within slot_of, each slot looked up resident
+    (not -1) and within kv_layer, each fill a place in the block with room for the draft after x_t."""
+    check_range("layer", torch.tensor([layer]), 0, slot_of.shape[0])
+    check_range("rows", rows, 0, slot_of.shape[1])
+    check_range("tail", tail, 0, slot_of.shape[2])
+    check_range("fill", fill, 1, kv_layer.shape[2] + (0 if draft else 1))
+    if len(rows):
+        check_range("the tails' slots (slot_of)", slot_of[layer, rows.long(), tail.long()], 0, kv_layer.shape[0])
+
+
+def append_to_tails(kv_layer, slot_of, layer: int, rows, tail, fill, k, v, draft_k=None, draft_v=None,
+                    check_values: bool | None = None) -> torch.Tensor:
+    """See the module docstring. Triton on CUDA tensors and under TRITON_INTERPRET=1, else the torch twin. The
+    values are checked where that costs no sync (value_checks.checks_values)."""
     _check(kv_layer, slot_of, rows, tail, fill, k, v, draft_k, draft_v)
+    if checks_values(check_values, kv_layer.device):
+        check_values_of(kv_layer, slot_of, layer, rows, tail, fill, draft_k is not None)
     if not (kv_layer.is_cuda or type(_append_kernel).__name__ == "InterpretedFunction"):
         return append_to_tails_reference(kv_layer, slot_of, layer, rows, tail, fill, k, v, draft_k, draft_v)
     b = len(rows)
