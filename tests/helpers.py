@@ -61,12 +61,13 @@ def write_tiny_config(directory, model_type: str = "llama", num_layers: int = 2)
 
 
 def write_gguf(path, hf_model, arch: str, rope_factors: list[float] | None = None, sampling: dict | None = None,
-               rope_scaling: tuple[str, float] | None = None) -> str:
+               rope_scaling: tuple[str, float] | None = None, extra_tensors: dict | None = None) -> str:
     """A transformers model's fp32 weights as a GGUF the way llama.cpp's converter writes one: its metadata keys
     (key_length / value_length as it writes them for a config with head_dim), llama.cpp's tensor names, the q / k
     rows permuted for the llama architecture, `rope_factors` (if any) as the rope_freqs tensor, and `sampling` (if any:
     {"temp": 0.6, "top_k": 20, ...}) as general.sampling.* keys with gguf's writers, and `rope_scaling` (if any:
-    ("linear", 4.0)) as the <arch>.rope.scaling.type / .factor keys. Returns the path."""
+    ("linear", 4.0)) as the <arch>.rope.scaling.type / .factor keys; `extra_tensors` ({gguf name: tensor}) are written
+    too. Returns the path."""
     import gguf
 
     from oasiskv.models.loader import GGUF_NAMES
@@ -106,6 +107,8 @@ def write_gguf(path, hf_model, arch: str, rope_factors: list[float] | None = Non
             gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                          "lm_head.weight": "output.weight"}[name]
         writer.add_tensor(gguf_name, w.detach().float().contiguous().numpy())
+    for name, w in (extra_tensors or {}).items():
+        writer.add_tensor(name, w.float().contiguous().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

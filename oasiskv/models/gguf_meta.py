@@ -26,6 +26,7 @@ DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "oasiskv", "gguf")
 # what an entry holds: 2 adds own_reading to the config (entries stored before it lack head_dim and rope_freqs);
 # 3 adds the sampling defaults to the tensor index; 4 reads <arch>.rope.scaling.*
 ENTRY_FORMAT = 4
+ARCHITECTURES = ("llama", "qwen2", "qwen3")  # GGUF architectures of the model types OasisKV runs (Mistral's is llama)
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's RoPE frequency factors: read into the config, not loaded as a weight
 # llama.cpp's recommended sampler settings (general.sampling.*) that mean what vLLM's SamplingParams fields mean.
 # Left out: penalty_repeat (llama.cpp applies it to the last penalty_last_n tokens, vLLM's repetition_penalty to the
@@ -53,6 +54,9 @@ def config(path: str, mtime_ns: int, size: int) -> dict:
         return cfg
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    arch = tensor_index(path, mtime_ns, size)["arch"]
+    if arch not in ARCHITECTURES:  # (transformers' refusal of it read as a damaged file below)
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
     try:
         cfg = load_gguf_checkpoint(path, return_tensors=False)["config"]
     except (ValueError, KeyError, IndexError, TypeError) as e:

@@ -65,6 +65,9 @@ def resolve_source(model: str | None) -> tuple[str, str]:
         return "hf_dir", model
     if os.path.isfile(model) and model.endswith(".gguf"):
         return "gguf", model
+    if os.path.isfile(model):
+        raise FileNotFoundError(f"model {model!r} is a file but not a .gguf: give a GGUF file, or the Hugging Face "
+                                f"directory that holds it ({os.path.dirname(os.path.abspath(model))})")
     raise FileNotFoundError(
         f"model {model!r} not found: give a local Hugging Face directory, a .gguf file, or one of "
         f"{', '.join(SHIPPED_CONFIGS)} with --load-format dummy (no model hub is used)"
@@ -75,8 +78,12 @@ def read_hf_config(kind: str, location: str) -> dict:
     if kind == "shipped":
         return shipped_config(location)
     if kind == "hf_dir":
-        with open(os.path.join(location, "config.json")) as f:
-            return json.load(f)
+        path = os.path.join(location, "config.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                return json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} is not valid JSON ({e})") from None
     stat = os.stat(location)
     return dict(gguf_config(os.path.abspath(location), stat.st_mtime_ns, stat.st_size))
 
@@ -108,6 +115,12 @@ def load_model(model: str | None, load_format: str, device: torch.device, dtype:
     if kind == "shipped" and load_format != "dummy":
         raise ValueError(f"{location} ships as a config only (no weights here): add --load-format dummy")
     cfg = ModelConfig.from_hf(read_hf_config(kind, location))
+    if not with_tokenizer:
+        chosen = None
+    elif tokenizer is None:  # before the weights, as --tokenizer: a broken one costs no load
+        chosen = load_tokenizer(kind, location, load_format)
+    if kind == "gguf" and load_format != "dummy":
+        check_gguf_names(location)
     net = empty_model(cfg, device, dtype)
     if load_format == "dummy":
         init_random(net, seed, show_progress)
@@ -115,10 +128,6 @@ def load_model(model: str | None, load_format: str, device: torch.device, dtype:
         load_weights(net, gguf_tensors(location, cfg), show_progress)
     else:
         load_weights(net, safetensors_tensors(location), show_progress)
-    if not with_tokenizer:
-        chosen = None
-    elif tokenizer is None:
-        chosen = load_tokenizer(kind, location, load_format)
     return LoadedModel(net.eval(), cfg, chosen, f"{kind}:{location}", generation)
 
 
@@ -224,11 +233,24 @@ GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "ou
 
 
 def gguf_name(name: str) -> str:
+    """Our parameter name for a llama.cpp tensor name; ValueError for one our model has no place for."""
     base, _, kind = name.rpartition(".")
-    if base.startswith("blk."):
+    if base.startswith("blk.") and base.count(".") >= 2:
         _, layer, part = base.split(".", 2)
-        return f"model.layers.{layer}.{GGUF_NAMES[part]}.{kind}"
-    return f"{GGUF_TOP[base]}.{kind}"
+        if part in GGUF_NAMES:
+            return f"model.layers.{layer}.{GGUF_NAMES[part]}.{kind}"
+    elif base in GGUF_TOP:
+        return f"{GGUF_TOP[base]}.{kind}"
+    moe = " (a mixture-of-experts tensor: OasisKV runs dense models)" if "_exps" in base or "_inp" in base else ""
+    raise ValueError(f"GGUF tensor {name} has no place in the model{moe}")
+
+
+def check_gguf_names(path: str) -> None:
+    """Every tensor of the GGUF named as our model names its weights (before any memory is taken for them)."""
+    stat = os.stat(path)
+    for raw_name, *_ in gguf_meta.tensor_index(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)["tensors"]:
+        if raw_name != gguf_meta.ROPE_FREQS:
+            gguf_name(raw_name)
 
 
 def unpermute_rope(w: torch.Tensor, heads: int) -> torch.Tensor:

@@ -22,13 +22,19 @@ class HFTokenizer:
     @classmethod
     def from_gguf(cls, path: str) -> "HFTokenizer":
         stat = os.stat(path)
-        return cls(_gguf_tokenizer(os.path.abspath(path), stat.st_mtime_ns, stat.st_size))
+        try:
+            return cls(_gguf_tokenizer(os.path.abspath(path), stat.st_mtime_ns, stat.st_size))
+        except (ValueError, KeyError, TypeError) as e:  # (no vocabulary, or one transformers cannot build)
+            raise ValueError(f"{path}: no tokenizer can be built from this GGUF ({type(e).__name__}: {e})") from None
 
     @classmethod
     def from_dir(cls, path: str) -> "HFTokenizer":
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(path))
+        try:
+            return cls(AutoTokenizer.from_pretrained(path))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # a broken file: say which directory
+            raise ValueError(f"the tokenizer files in {path} cannot be read ({type(e).__name__}: {e})") from None
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
