@@ -108,7 +108,7 @@ def test_modes_without_json_write_the_default_file_and_compare_to_refuses_anothe
     bench(tiny, "--modes", "dense", "--max-num-seqs", "2")
     first = tmp_path / "results" / "bench_throughput.json"
     assert [r["mode"] for r in json.loads(first.read_text())["rows"]] == ["dense"]
-    with pytest.raises(SystemExit, match="--compare-to .* measured another run .*64, 4"):
+    with pytest.raises(SystemExit, match="--compare-to .* measured another run .input_len 128 there, 64 here"):
         bench(tiny, "--modes", "quest", "--input-len", "64", "--compare-to", str(first), "--json", "b.json")
 
 

@@ -220,3 +220,34 @@ def test_predict_prefetch_bad_arguments_raise():
 
 
 # the kernels inside the engine, against the torch path: tests/test_kernels_in_engine.py
+
+
+def _strided(n):
+    """n as a column of a wider tensor (stride 2), the other column other lengths: what a contiguous read took."""
+    return torch.stack([n, n.flip(0)], 1)[:, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_select_reads_strided_lengths_as_given(dtype):
+    """num_blocks_per_seq as a strided view: the kernel read it as contiguous, so rows were selected by other rows'
+    lengths; found by a helper's audit of the kernels."""
+    max_blocks, budget = 40, 8
+    nb = _lengths(budget, max_blocks)
+    scores = _scores(len(nb), max_blocks, seed=17, dtype=dtype)
+    got = select_blocks_fused(scores, _strided(nb), budget, 1, 2)
+    ref = select_blocks_padded(scores, nb, budget, 1, 2)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_predict_prefetch_reads_strided_lengths_as_given(dtype):
+    """The same strided lengths through predict_prefetch's launch (found by a helper's audit of the kernels)."""
+    max_blocks, budget, cap = 60, 16, 3
+    nb = _lengths(budget, max_blocks)
+    scores = _scores(len(nb), max_blocks, seed=19, dtype=dtype)
+    slot_of, layer_of, rows = _working_set(len(nb), max_blocks, seed=2)
+    residency = dict(slot_of=slot_of, layer_of=layer_of, rows=rows)
+    got = predict_prefetch(scores.to(DEV), _strided(nb).to(DEV), budget, 1, 2, cap, max_blocks,
+                           **{name: t.to(DEV) for name, t in residency.items()})
+    want = predict_prefetch_reference(scores, nb, budget, 1, 2, cap, max_blocks, **residency)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want))

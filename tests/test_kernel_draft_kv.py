@@ -124,3 +124,33 @@ def test_bad_inputs_raise():
         write_draft_kv(*case[:10], case[10][:, :1], case[11], step)
     with pytest.raises(ValueError, match="layer 5 out of range"):
         write_draft_kv(*case[:4], 5, *case[5:], step)
+
+
+@pytest.mark.parametrize("change, message", [
+    ("rows", r"rows must be in \[0, 5\)"),
+    ("tail_slots", r"tail_slots must be in \[0, 25\)"),
+    ("offset", r"offset must be in \[0, 4\)"),
+    ("opened", r"opened must be in \[-1, 15\)"),  # block 15: the spare column
+    ("opened slot", r"the opened blocks' slots \(slot_of\) must be in \[-1, 25\)")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_values_out_of_range_are_clear_errors_on_the_cpu(change, message, dtype):
+    """The kernel writes the tables and the pool where rows, tail_slots, offset and opened point: out of range it
+    wrote another slot's K/V, past the pool or into the spare column, silently; found by a helper's audit of the
+    kernels."""
+    case = list(make_case(3, 5, 15, 4, dtype, 0))
+    kv, slot_of, block_of, last_used, layer, rows, tail_slots, opened, offset = case[:9]
+    if change == "rows":
+        rows[0] = 5
+    if change == "tail_slots":
+        tail_slots[0] = 25
+    if change == "offset":
+        offset[0] = 4
+    if change == "opened":
+        opened[0] = 15
+    if change == "opened slot":  # a resident block whose slot is past the pool
+        opened[0] = 3
+        slot_of[layer, rows[0], 3] = 25
+    before = [t.clone() for t in (kv, slot_of, block_of, last_used)]
+    with pytest.raises(ValueError, match=message):
+        write_draft_kv(*case, torch.tensor(7))
+    assert all(torch.equal(t, old) for t, old in zip((kv, slot_of, block_of, last_used), before))

@@ -169,3 +169,30 @@ def test_mismatches_raise():
         gather_host_blocks(host.transpose(4, 5), gpu.transpose(4, 5), i1, i1, i1)
     with pytest.raises(ValueError, match="dtype"):
         store_blocks_to_host(gpu, host.double(), i1, i1, i1)
+
+
+@pytest.mark.parametrize("direction", ["gather", "store"])
+@pytest.mark.parametrize("strided", [0, 1, 2], ids=["layer_ids", "src", "dst"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_strided_index_lists_are_read_as_given(direction, strided, dtype):
+    """An index list as a strided view (a column of a wider tensor): the kernel read it as contiguous, so chunks
+    came from or went to the wrong blocks; found by a helper's audit of the kernels."""
+    gen = torch.Generator().manual_seed(21 + strided)
+    layers, host_blocks, slots = 2, 7, 5
+    host = _host((layers, host_blocks, 2, 4, 2, 8), dtype, gen)
+    gpu = torch.randn((layers, slots, 2, 4, 2, 8), generator=gen).to(dtype)
+    src_n, dst_n = (host_blocks, slots) if direction == "gather" else (slots, host_blocks)
+    lists = _lists(gen, 4, layers, src_n, dst_n)
+    sizes = (layers, src_n, dst_n)
+    other = (lists[strided] + 1) % sizes[strided]  # in range, in the other column: what a contiguous read took
+    views = list(lists)
+    views[strided] = torch.stack([lists[strided], other], 1)[:, 0]
+    if direction == "gather":
+        want = gather_host_blocks_reference(host.cpu(), gpu.clone(), *lists)
+        got = gather_host_blocks(host, gpu.clone().to(DEV), *(t.to(DEV) for t in views))
+    else:
+        want = store_blocks_to_host_reference(gpu.clone(), host.cpu().clone(), *lists)
+        got = store_blocks_to_host(gpu.to(DEV), host.clone(), *(t.to(DEV) for t in views))
+    if ON_GPU:
+        torch.cuda.synchronize()
+    assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))

@@ -87,3 +87,41 @@ def test_bad_inputs_raise():
         store_tokens_to_host(k, v, host, 0, blocks[:2], offsets)
     with pytest.raises(ValueError, match="host_kv must be"):
         store_tokens_to_host(k, v, host[0], 0, blocks, offsets)
+
+
+@pytest.mark.parametrize("change, message", [
+    (("blocks", 3), r"blocks must be in \[0, 3\)"),
+    (("blocks", -1), r"blocks must be in \[0, 3\)"),
+    (("offsets", 4), r"offsets must be in \[0, 4\)"),
+    (("offsets", -1), r"offsets must be in \[0, 4\)")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_values_out_of_range_are_clear_errors_on_the_cpu(change, message, dtype):
+    """The kernel writes where blocks and offsets point: out of range it wrote another layer's block or before the
+    store, silently (the twin wrapped -1 to the last block); found by a helper's audit of the kernels."""
+    host = torch.randn(2, 3, 2, 4, 2, 16).to(dtype)
+    before = host.clone()
+    k, v = (torch.randn(3, 2, 16).to(dtype) for _ in range(2))
+    where = {"blocks": torch.tensor([0, 1, 2]), "offsets": torch.tensor([3, 0, 1])}
+    where[change[0]][1] = change[1]
+    with pytest.raises(ValueError, match=message):
+        store_tokens_to_host(k, v, host, 0, where["blocks"], where["offsets"])
+    assert torch.equal(host, before)
+
+
+@pytest.mark.parametrize("strided", ["blocks", "offsets"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_strided_destinations_are_read_as_given(strided, dtype, index_dtype):
+    """blocks and offsets as strided views (a column of a wider index tensor): the kernel read them as contiguous,
+    so tokens went to the wrong places; found by a helper's audit of the kernels."""
+    host = host_store(2, 6, 8, 2, 16, dtype, seed=3)
+    expected = host.clone()
+    k, v = tokens(5, 2, 16, dtype, seed=4)
+    where = list(destinations(5, 6, 8, seed=5, index_dtype=index_dtype))
+    i = ("blocks", "offsets").index(strided)
+    where[i] = torch.stack([where[i], where[i].flip(0)], 1)[:, 0]  # stride 2: the other column is another order
+    store_tokens_to_host(k, v, host, 1, *where)
+    if ON_GPU:
+        torch.cuda.synchronize()
+    store_tokens_to_host_reference(k, v, expected, 1, *(w.contiguous() for w in where))
+    assert torch.equal(host.view(torch.uint8), expected.view(torch.uint8))

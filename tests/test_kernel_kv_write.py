@@ -65,3 +65,17 @@ def test_bad_inputs_raise():
         write_kv_slots(pool[0], sb, so, k.half(), v.half())
     with pytest.raises(ValueError, match="contiguous over"):
         write_kv_slots(pool[0], sb, so, k.transpose(1, 2).contiguous().transpose(1, 2), v)
+
+
+@pytest.mark.parametrize("strided", ["slot_blocks", "slot_offsets"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_strided_slots_are_read_as_given(strided, dtype):
+    """slot_blocks or slot_offsets as a strided view (a column of a wider tensor): the kernel read them as contiguous,
+    so tokens went to the wrong slots; found by a helper's audit of the kernels."""
+    pool, sb, so, k, v = make(6, 4, 8, 2, 16, dtype, seed=7)
+    expected = pool.clone()
+    write_kv_reference(expected[1], sb, so, k, v)
+    slots = {"slot_blocks": sb, "slot_offsets": so}
+    slots[strided] = torch.stack([slots[strided], slots[strided].flip(0)], 1)[:, 0]
+    write_kv_slots(pool[1], slots["slot_blocks"], slots["slot_offsets"], k, v)
+    assert torch.equal(pool, expected)

@@ -89,3 +89,16 @@ def test_list_scores_kernel_compiles_for_the_h200():
     run_without_interpreter("from oasiskv.kernels.list_scores import compile_for\n"
                             "assert compile_for(90, 4, 384).asm['cubin']\n"
                             "assert compile_for(90, 3, 256).asm['cubin']\n")
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+@pytest.mark.parametrize("bad", [3, 7])
+def test_listed_ids_out_of_range_are_clear_errors_on_the_cpu(path, bad, monkeypatch):
+    """A listed id past the row of `width` scores: the kernel dropped it silently where the twin (the path of long
+    lists) failed with an IndexError; found by a helper's audit of the kernels."""
+    if path == "torch":
+        monkeypatch.setattr(ls, "MAX_KERNEL_ELEMENTS", 1)
+    lse = torch.zeros(2, 2, 3)
+    listed = torch.tensor([[0, 2, -1], [1, bad, 0]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"listed block ids must be in \[-1, 3\)"):
+        listed_scores(lse, listed, 1, 3)

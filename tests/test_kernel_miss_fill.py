@@ -129,3 +129,33 @@ def test_fill_kernel_compiles_for_the_h200():
     run_without_interpreter("from oasiskv.kernels.miss_fill import compile_for\n"
                             "assert compile_for(90, 129, 128).asm['cubin']\n"
                             "assert compile_for(90, 513, 128).asm['cubin']\n")  # a 4x list at 8K: was minutes
+
+
+@pytest.mark.parametrize("change, message", [
+    ("rows", r"rows must be in \[0, 5\)"),
+    ("row_counts", r"rows must be in \[0, 2\)"),  # counters with fewer rows than block_of
+    ("held", r"blocks held below nblocks \(block_of\) must be in \[0, 4\)"),
+    ("rows dtype", "rows must be int32 or int64, got torch.float32"),
+    ("nblocks dtype", "nblocks must be int32 or int64, got torch.float32")])
+def test_values_out_of_range_are_clear_errors_on_the_cpu(change, message):
+    """The kernel reads block_of's row of each rows[b] (and adds to its row of the counters) and the score of each
+    block held there below nblocks[b]: out of range it read another row's slots, added past row_counts, or took a
+    score from past the row of scores, silently; float ids ran (nblocks) or failed inside the kernel (rows). Found
+    by a helper's audit of the kernels."""
+    attended, selection, scores, block_of, rows, nblocks = random_case(2, 4, 10, 5, 1, seed=0)
+    rows = torch.tensor([1, 3])
+    row_counts, layer_counts = torch.zeros(5, 6, dtype=torch.int64), torch.zeros(2, 6, dtype=torch.int64)
+    if change == "rows":
+        rows[1] = 5
+    if change == "row_counts":
+        row_counts = row_counts[:2]
+    if change == "held":  # x_t's scores cover 4 blocks, but row 1 holds block 7 below its 10 blocks
+        scores, nblocks[0], block_of[1, 0] = scores[:, :4], 10, 7
+    if change == "rows dtype":
+        rows = rows.float()
+    if change == "nblocks dtype":
+        nblocks = nblocks.float()
+    counters = FillCounters(row_counts, layer_counts, column=1, layer=0)
+    with pytest.raises(ValueError, match=message):
+        fill_misses(attended, selection, scores, block_of, rows, nblocks, counters)
+    assert not row_counts.any() and not layer_counts.any()

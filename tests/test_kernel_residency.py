@@ -176,3 +176,61 @@ def test_fused_kernel_compiles_for_the_h200():
             "assert compile_for(90, 129, 128).asm['cubin']\n"
             "assert compile_for(90, 513, 128).asm['cubin']\n")
     run_without_interpreter(code)
+
+
+@pytest.mark.parametrize("change, message", [
+    ("selection", r"selection must be in \[-1, 40\)"),
+    ("rows", r"rows \(of slot_of and row_counts\) must be in \[0, 6\)"),
+    ("row_counts", r"rows \(of slot_of and row_counts\) must be in \[0, 2\)"),
+    ("counter_ids", r"counter_ids \(columns of row_counts and layer_counts\) must be in \[0, 8\)"),
+    ("layer_counts", r"layer 2 out of layer_counts' rows \[0, 2\)"),
+    ("rows dtype", "rows must be int32 or int64, got torch.float32"),
+    ("counter_ids dtype", "counter_ids must be int32 or int64, got torch.float32")])
+def test_values_out_of_range_are_clear_errors_on_the_cpu(change, message):
+    """The kernel reads slot_of and predicted at each selected block of each row and adds to the counter tables at
+    each row, layer and counter column: out of range it read past slot_of or added past the tables, silently; float
+    ids failed inside the kernel. Found by a helper's audit of the kernels."""
+    selection, slot_of, predicted, rows, fresh, columns = make_case(3, 4)
+    rows = torch.tensor([1, 3, 0])
+    row_counts, layer_counts = torch.zeros(6, 8, dtype=torch.int64), torch.zeros(3, 8, dtype=torch.int64)
+    if change == "selection":
+        selection[1, 0] = 40
+    if change == "rows":
+        rows[1] = 6
+    if change == "row_counts":  # fewer rows than slot_of
+        row_counts = row_counts[:2]
+    if change == "counter_ids":
+        columns[2] = 8
+    if change == "layer_counts":
+        layer_counts = layer_counts[:2]
+    if change == "rows dtype":
+        rows = rows.float()
+    if change == "counter_ids dtype":
+        columns = columns.float()
+    before = (row_counts.clone(), layer_counts.clone())
+    with pytest.raises(ValueError, match=message):
+        resident_selection(selection, slot_of, predicted, rows, fresh, row_counts, layer_counts, columns, 2)
+    assert torch.equal(row_counts, before[0]) and torch.equal(layer_counts, before[1])
+
+
+@pytest.mark.parametrize("change, message", [
+    ("offset", r"offset must be in \[0, 4\)"),
+    ("tail_slots", r"tail_slots must be in \[0, 25\)"),
+    ("opened", r"opened must be in \[-1, 15\)")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_draft_values_out_of_range_are_clear_errors_on_the_cpu(change, message, dtype):
+    """The fused kernel writes the draft's K/V where write_draft_kv's does: its values are checked as there (out of
+    range it wrote past the pool or into the spare column, silently); found by a helper's audit of the kernels."""
+    (selection, slot_of, predicted, rows, fresh, columns, layer, opened), draft = fused_case(3, 5, 4, dtype, 0)
+    if change == "offset":
+        draft.offset[2] = 4
+    if change == "tail_slots":
+        draft.tail_slots[2] = 25
+    if change == "opened":
+        opened[0] = 15
+    counts = (torch.zeros(6, 8, dtype=torch.int64), torch.zeros(3, 8, dtype=torch.int64))
+    before = [t.clone() for t in (slot_of, draft.kv_layer, draft.block_of, draft.last_used)]
+    with pytest.raises(ValueError, match=message):
+        resident_selection(selection, slot_of, predicted, rows, fresh, *counts, columns, layer, opened, draft=draft)
+    assert all(torch.equal(t, old) for t, old in zip((slot_of, draft.kv_layer, draft.block_of, draft.last_used),
+                                                       before))

@@ -195,3 +195,15 @@ def test_bad_inputs_raise():
         apply_rotary_qk(q.half(), k.half(), cos, sin)
     with pytest.raises(ValueError, match="one device"):
         apply_rotary_qk(q, k.to("meta"), cos, sin)  # a second device on any machine
+
+
+@pytest.mark.parametrize("cos_2d", [True, False], ids=["cos [T, D], sin [T, 1, D]", "cos [T, 1, D], sin [T, D]"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cos_and_sin_of_different_accepted_shapes(cos_2d, dtype):
+    """cos and sin may each be [T, 1, D] or [T, D]: the launcher unsqueezed both only when cos was 2-D, so a 2-D cos
+    with a 3-D sin read sin along the wrong stride (wrong values) and the other mix failed with an IndexError; found
+    by a helper's audit of the kernels."""
+    t, hq, hkv, d = 3, 2, 1, 64
+    q, k = randn((t, hq, d), dtype, seed=6), randn((t, hkv, d), dtype, seed=7)
+    cos, sin = cos_sin(t, d, dtype, seed=8)
+    check(q, k, *((cos[:, 0], sin) if cos_2d else (cos, sin[:, 0])))

@@ -174,3 +174,13 @@ def test_block_lse_kernel_compiles_for_the_h200():
                             "assert compile_for(90, 3, 64).asm['cubin']\n"
                             "assert compile_for(90, 4, 128, fp8=True).asm['cubin']\n"
                             "assert compile_for(90, 4, 128, fp8=True, widen_f16=True).asm['cubin']\n")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_strided_seq_lens_are_read_as_given(dtype):
+    """seq_lens as a strided view (a column of a wider tensor): the kernel read it as contiguous, so a row's keys
+    were masked by another row's length; found by a helper's audit of the kernels."""
+    q, pool, tables, listed, lens = random_case(3, 4, 2, 8, 5, seed=4, dtype=dtype)
+    strided = torch.stack([lens, torch.full_like(lens, BLOCK)], 1)[:, 0]  # the other column: one block of keys
+    assert torch.equal(shortlist_block_lse(q, pool, tables, listed, strided, 0.3),
+                       shortlist_block_lse(q, pool, tables, listed, lens, 0.3))

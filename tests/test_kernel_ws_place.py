@@ -213,3 +213,59 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="host_tables must be"):
         place_fused(ws._slot_of, ws._block_of, ws._last_used, 0, rows, wanted, protect, 1,
                     host_tables=torch.zeros(2, 10, dtype=torch.int64, device=DEV))
+
+
+def small_set():
+    """A fused working set on the CPU (2 layers, 2 rows of 3 slots, 6 blocks): row 0 of layer 0 holds blocks 4 and
+    5 in its slots 0 and 1, its slot 2 is empty."""
+    ws = WorkingSet(2, 2, 3, 6, CPU, fused=True)
+    ws.place(0, torch.tensor([0]), torch.tensor([[4, 5]], dtype=torch.int32), torch.ones(1, 6, dtype=torch.bool), 1)
+    return ws
+
+
+@pytest.mark.parametrize("change, message", [
+    ("rows", r"rows must be in \[0, 2\)"),
+    ("wanted", r"wanted must be in \[-1, 6\)"),  # block 6: the spare column
+    ("layer", r"layer must be in \[0, 2\)"),
+    ("host_tables", r"wanted blocks \(host_tables columns\) must be in \[0, 3\)")])
+def test_values_out_of_range_are_clear_errors_on_the_cpu(change, message):
+    """The kernel reads and writes the tables where rows, a per-row layer and wanted point, and host_tables at the
+    wanted blocks: out of range it wrote past slot_of (a heap corruption, an abort), into the spare column, or
+    listed a copy from a garbage host block, silently; found by a helper's audit of the kernels."""
+    ws = small_set()
+    layer, rows = 0, torch.tensor([0, 1])
+    wanted = torch.tensor([[1, 2], [0, -1]], dtype=torch.int32)
+    protect = torch.zeros(2, 6, dtype=torch.bool)
+    host_tables = torch.arange(12, dtype=torch.int32).view(2, 6)
+    if change == "rows":
+        rows[1] = 2
+    if change == "wanted":
+        wanted[1, 1] = 6
+    if change == "layer":
+        layer = torch.tensor([0, 2])
+    if change == "host_tables":
+        host_tables, wanted[0, 1] = host_tables[:, :3], 3
+    before = [getattr(ws, name).clone() for name in TABLES]
+    with pytest.raises(ValueError, match=message):
+        place_fused(ws._slot_of, ws._block_of, ws._last_used, layer, rows, wanted, protect, 2,
+                    host_tables=host_tables)
+    assert all(torch.equal(getattr(ws, name), old) for name, old in zip(TABLES, before))
+
+
+@pytest.mark.parametrize("wanted, protected, room", [
+    ([0, 1], [4, 5], 1),  # two misses, one slot not protected
+    ([0, 1, 2, 3], [], 3)])  # more misses than the row has slots: the last took a slot past the row
+def test_more_misses_than_slots_not_protected_is_refused_on_the_cpu(wanted, protected, room):
+    """WorkingSet.place needs the protected blocks and the misses to fit in a row's slots: with more misses than
+    slots not protected, the kernel gave two blocks one slot (or one past the row's width), silently; found by a
+    helper's audit of the kernels. One miss fewer fits, and is placed."""
+    ws = small_set()
+    protect = torch.zeros(1, 6, dtype=torch.bool)
+    protect[0, wanted + protected] = True
+    before = [getattr(ws, name).clone() for name in TABLES]
+    with pytest.raises(ValueError, match=f"row 0 wants {len(wanted)} blocks without a slot but has only {room} "):
+        ws.place(0, torch.tensor([0]), torch.tensor([wanted], dtype=torch.int32), protect, 2)
+    assert all(torch.equal(getattr(ws, name), old) for name, old in zip(TABLES, before))
+    fits = torch.tensor([wanted[:room]], dtype=torch.int32)
+    miss, slots = ws.place(0, torch.tensor([0]), fits, protect, 2)
+    assert miss.all() and len(set(slots[0].tolist())) == room

@@ -13,7 +13,7 @@ import torch
 
 from oasiskv.bench import plots
 from oasiskv.bench.ceilings import memory_copy_gbps
-from oasiskv.bench.report import add_ratios, print_cap_table, print_modes_table, print_sweep_table, sig, write_json
+from oasiskv.bench.report import add_ratios, device_label, print_cap_table, print_modes_table, print_sweep_table, sig, write_json
 from oasiskv.bench.step_profile import format_profile, profile_step
 from oasiskv.bench.workload import add_roofline, max_concurrency, run_workload, warm_up, workload_prompts
 from oasiskv.config import KV_MODES, EngineConfig
@@ -79,7 +79,8 @@ def measure_mode(engine, args, hbm_gbps: float, concurrency: int | None = None, 
                                    args.prompt_seed, getattr(args, "prompt_corpus", None))
     except ValueError as e:
         raise SystemExit(f"error: --prompt-corpus {args.prompt_corpus}: {e}")
-    row = add_roofline(run_workload(engine, prompts, args.output_len, concurrency), hbm_gbps)
+    ranks = engine.config.tensor_parallel_size  # (the bytes are all GPUs', the ceiling one GPU's)
+    row = add_roofline(run_workload(engine, prompts, args.output_len, concurrency), hbm_gbps * ranks)
     row["max_concurrency"] = held
     if engine.policy.name == "oasis":
         row["miss_policy"] = engine.config.kv.miss_policy
@@ -148,12 +149,20 @@ def earlier_rows(args, config: EngineConfig, kind: str, key: str, present: list)
         raise SystemExit(f"error: cannot read --compare-to {path}: {e}")
     if earlier.get("kind") != kind:
         raise SystemExit(f"error: --compare-to {path} holds a {earlier.get('kind')!r} run, not {kind!r}")
-    theirs = (earlier.get("workload", {}).get("input_len"), earlier.get("workload", {}).get("output_len"),
-              earlier.get("config", {}).get("model"), earlier.get("config", {}).get("load_format"))
-    ours = (args.input_len, args.output_len, config.model, config.load_format)
-    if theirs != ours:
-        raise SystemExit(f"error: --compare-to {path} measured another run (input, output, model, load format "
-                         f"{theirs}; this one {ours})")
+    work, conf = earlier.get("workload", {}), earlier.get("config", {})
+    theirs = {"input_len": work.get("input_len"), "output_len": work.get("output_len"),
+              "num_prompts": work.get("num_prompts"), "prompt_seed": work.get("prompt_seed"),
+              "prompt_corpus": work.get("prompt_corpus"), "model": conf.get("model"),
+              "load_format": conf.get("load_format"), "dtype": conf.get("dtype"), "device": earlier.get("device")}
+    ours = {"input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts,
+            "prompt_seed": args.prompt_seed, "prompt_corpus": getattr(args, "prompt_corpus", None),
+            "model": config.model, "load_format": config.load_format, "dtype": config.dtype,
+            "device": device_label(pick_device(config.device))}
+    differ = {k: (theirs[k], ours[k]) for k in ours if theirs[k] != ours[k]}
+    if differ:
+        said = ", ".join(f"{k} {a!r} there, {b!r} here" for k, (a, b) in differ.items())
+        raise SystemExit(f"error: --compare-to {path} measured another run ({said}): its ratios to this run's rows "
+                         "would compare different work or hardware")
     return [{**r, "from": path} for r in earlier["rows"] if r[key] not in present]
 
 

@@ -85,9 +85,14 @@ def print_cap_table(rows: list[dict]) -> None:
     print_table(rows, CAP_COLUMNS)
 
 
+def device_label(device: torch.device) -> str:
+    """The device as the JSON names it: the GPU's name, or cpu."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
 def write_json(path: str, result: dict, device: torch.device) -> None:
     result = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "device": device_label(device),
               "torch": torch.__version__, "python": platform.python_version(), **result}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

@@ -134,8 +134,15 @@ def gpu_kernel_ms_per_step(engine, steps: int) -> float | None:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
-    busy_us = sum(e.self_device_time_total for e in prof.key_averages())
-    return busy_us / 1000 / steps
+    return device_busy_us(prof.key_averages()) / 1000 / steps
+
+
+def device_busy_us(rows) -> float:
+    """The kernels' own time: a CPU op's row also carries its kernels' time (self_device_time_total), so counting
+    every row counted each op-launched kernel twice; the device rows alone count it once, as torch's table total."""
+    from torch.autograd import DeviceType
+
+    return sum(e.self_device_time_total for e in rows if e.device_type == DeviceType.CUDA)
 
 
 def profile_step(engine, batch: int, input_len: int, steps: int, seed: int = 0) -> dict:

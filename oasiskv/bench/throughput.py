@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from oasiskv.bench.workload import exposed_wait, graph_replays, kv_bytes_read, kv_deltas
+from oasiskv.bench.workload import decode_weight_bytes, exposed_wait, graph_replays, kv_bytes_read, kv_deltas
 from oasiskv.config import BenchConfig, EngineConfig, SamplingParams
 
 HBM_GBPS = 4200.0
@@ -183,17 +183,22 @@ def bench_one(engine, batch: int, input_len: int, output_len: int, hbm_gbps: flo
     for _ in range(warmup):
         engine.step()
     ranks = engine.config.tensor_parallel_size  # every rank reads its weights; rank 0 counts its KV copies
-    weights = engine.weights_bytes() * ranks
+    weights = decode_weight_bytes(engine) * ranks
     bytes_read, decode_s = 0, 0.0
     # steps replayed from a CUDA graph, apart: a graph key first seen inside the timed window (oasis: a
     # draft opening a block) adds an eager step and a capture, which cost far more than a replay
     replays, replay_s = 0, 0.0
     before = engine.kv_stats()
-    for _ in range(output_len):
+    # the window holds the device time of exactly its steps: the warm-up's step still in flight (async scheduling)
+    # ends before it, and its last step's end is waited for inside it (each step() waits for the one before)
+    wait_for_device(engine)
+    for i in range(output_len):
         kv_bytes = sum(kv_bytes_read(engine, r.num_tokens) for r in reqs)
         replays0 = graph_replays(engine)
         t = time.perf_counter()
         engine.step()
+        if i == output_len - 1:
+            wait_for_device(engine)
         dt = time.perf_counter() - t
         decode_s += dt
         bytes_read += weights + kv_bytes
@@ -220,6 +225,14 @@ def bench_one(engine, batch: int, input_len: int, output_len: int, hbm_gbps: flo
         "roofline_pct": round(100 * bytes_read / decode_s / 1e9 / (hbm_gbps * ranks), 1),
         **lookahead_columns(kv, steps, decode_s, eager_steps=steps - replays),
     }
+
+
+def wait_for_device(engine) -> None:
+    """Until the device has run every step launched (async scheduling leaves the last one in flight)."""
+    if engine.in_flight is not None:
+        engine.in_flight.read()
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
 
 
 def lookahead_columns(kv: dict, steps: int, decode_s: float, eager_steps: int) -> dict:

@@ -52,13 +52,34 @@ def workload_prompts(engine, num: int, input_len: int, seed: int, corpus: str | 
 
 
 def kv_bytes_read(engine, tokens: int) -> int:
-    """HBM bytes one decode step reads for one request's KV: every token (dense), or the budget plus
-    the block summaries (sparse modes; a block's summary is the size of one token's K and V)."""
+    """HBM bytes one decode step reads for one request's KV, summed over the layers: every token (dense, quest's
+    --dense-layers, a layer whose budget holds the whole context), else the layer's budget, its block summaries (one
+    per --summary-tokens, each the size of one token's K and V) and, with --shortlist, the listed blocks' keys again.
+    Oasis under --miss-policy skip attends to the resident part of its selection only: an upper bound there."""
     per_token = engine.kv_bytes_per_token
     if engine.policy.name == "dense":
         return tokens * per_token
-    budget = engine.config.kv.budget
-    return (min(tokens, budget) + -(-tokens // engine.block_size)) * per_token
+    kv, bs, layers = engine.config.kv, engine.block_size, engine.model_config.num_layers
+    blocks = -(-tokens // bs)
+    summaries = blocks * (bs // (kv.summary_tokens or bs))
+    read = 0.0
+    for layer in range(layers):
+        budget = kv.layer_budget(layer, layers, bs)
+        if layer < kv.dense_layers or blocks <= budget // bs:
+            read += tokens
+        else:
+            listed = kv.shortlist_blocks(budget // bs) * bs if kv.shortlist else 0
+            read += budget + summaries + listed / 2  # (keys only: half a token's K and V)
+    return int(read * per_token / layers)
+
+
+def decode_weight_bytes(engine) -> int:
+    """Weight bytes a decode step reads on each rank: every weight but an untied embedding table, of which a step
+    gathers only its tokens' rows (a tied one is read whole as the output head)."""
+    table, head = engine.model.model.embed_tokens.weight, engine.model.lm_head
+    if head is None or head.weight is table:  # tied (the vocab-parallel head of tensor parallelism may share it)
+        return engine.weights_bytes()
+    return engine.weights_bytes() - table.numel() * table.element_size()
 
 
 def kv_deltas(before: dict, after: dict) -> dict:
@@ -125,9 +146,11 @@ def run_workload(engine, prompts: list[list[int]], output_len: int, concurrency:
     """Runs every prompt to output_len tokens with at most `concurrency` in flight. Returns the metrics."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     queue, live, done = list(prompts), [], []
-    log, weights = StepLog(), engine.weights_bytes()
+    # every rank reads its weights, and KV bytes count all KV heads: the step's bytes over all GPUs
+    log, weights = StepLog(), decode_weight_bytes(engine) * engine.config.tensor_parallel_size
     stats0, before = dict(engine.stats.as_dict()), engine.kv_stats()
     bar = tqdm(total=len(prompts) * output_len, desc=desc or engine.policy.name, unit="tok", leave=False)
+    in_flight = None  # async scheduling: what the step launched by the last call holds (its time comes next call)
     t_start = time.perf_counter()
     while queue or live:
         while queue and len(live) < concurrency:
@@ -141,8 +164,9 @@ def run_workload(engine, prompts: list[list[int]], output_len: int, concurrency:
         t = time.perf_counter()
         finished = engine.step()
         dt = time.perf_counter() - t
-        record_step(log, dt, engine.stats.decode_tokens - decode0, engine.stats.prefill_tokens - prefill0,
-                    weights + kv, replayed=graph_replays(engine) > replays0)
+        launched = StepKind(engine.stats.decode_tokens - decode0, engine.stats.prefill_tokens - prefill0,
+                            weights + kv, graph_replays(engine) > replays0)
+        in_flight = book_step(log, dt, launched, in_flight, overlapped=engine.in_flight is not None)
         bar.update(sum(len(engine.requests[r].output_token_ids) for r in live) - out0)
         for req in finished:
             live.remove(req.request_id)
@@ -157,8 +181,35 @@ def graph_replays(engine) -> int:
     return graphs.counts["cuda_graph_replays"] if graphs is not None else 0
 
 
-def record_step(log: StepLog, dt: float, decodes: int, prefills: int, step_bytes: int,
-                replayed: bool = False) -> None:
+@dataclass
+class StepKind:
+    """What one launched step held: its decode and prefill tokens, the HBM bytes it must read, a graph replay."""
+
+    decodes: int
+    prefills: int
+    step_bytes: int
+    replayed: bool
+
+
+def book_step(log: StepLog, dt: float, launched: StepKind, in_flight: StepKind | None,
+              overlapped: bool) -> StepKind | None:
+    """Books one engine.step() call's time; returns the step left in flight. With async scheduling a call launches
+    step k and then waits for step k-1 on the device, so its time is step k-1's (the first call's, a launch alone,
+    stays in the run's other time), and a last call that launches nothing waits for the last step."""
+    if overlapped:
+        if in_flight is not None:
+            record_step(log, dt, in_flight)
+        return launched
+    if in_flight is not None:  # it landed the step in flight; anything it launched also ran in it
+        record_step(log, dt, in_flight)
+        dt = 0.0
+    if launched.decodes or launched.prefills:
+        record_step(log, dt, launched)
+    return None
+
+
+def record_step(log: StepLog, dt: float, step: StepKind) -> None:
+    decodes, prefills, step_bytes, replayed = step.decodes, step.prefills, step.step_bytes, step.replayed
     log.max_held = max(log.max_held, decodes)
     log.steps_with_decodes += decodes > 0
     if prefills:

@@ -208,7 +208,7 @@ def _launch_select(scores, n, budget, sink, local, check_values, cap=0, residenc
     dev = scores.device
     if check_values if check_values is not None else n.device.type == "cpu":
         _check_select_values(n, max_blocks)
-    n = n.to(dev)
+    n = n.to(dev).contiguous()  # read as n[r]
     k = min(budget, max_blocks)
     counts = torch.empty(rows, dtype=torch.int32, device=dev)
     out = torch.empty(rows, k, dtype=torch.int32, device=dev)

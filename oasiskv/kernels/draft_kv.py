@@ -23,9 +23,10 @@ import triton
 import triton.language as tl
 
 from oasiskv.kernels.aot import compile_ahead
+from oasiskv.kernels.value_checks import check_range, checks_values
 from oasiskv.kernels.ws_place import check_tables
 
-__all__ = ["DraftWrite", "place_draft_row", "write_draft_kv", "write_draft_kv_reference"]
+__all__ = ["DraftWrite", "check_draft_values", "place_draft_row", "write_draft_kv", "write_draft_kv_reference"]
 
 
 @triton.jit
@@ -131,12 +132,14 @@ _COMPARE_ELEMENTS = 8192  # slots x protected blocks compared at once when a dra
 
 
 def write_draft_kv(kv_layer, slot_of, block_of, last_used, layer: int, rows, tail_slots, opened, offset, attended,
-                   k, v, step) -> None:
+                   k, v, step, check_values: bool | None = None) -> None:
     """See the module docstring; in place on kv_layer and the three tables. `rows` long [B], `tail_slots`
     int [B], `opened` int32 [B], `offset` int [B], `attended` int32 [B, K] (-1 = none), `k`/`v` [B, Hkv, D],
-    `step` a 0-d int64 tensor."""
+    `step` a 0-d int64 tensor. The ids are checked where that costs no sync (value_checks.checks_values)."""
     check_draft_kv(kv_layer, slot_of, block_of, last_used, layer, rows, tail_slots, opened, offset, attended, k, v,
                    step)
+    if checks_values(check_values, kv_layer.device):
+        check_draft_values(kv_layer, slot_of, layer, rows, tail_slots, opened, offset)
     if not (kv_layer.is_cuda or type(_draft_kv_kernel).__name__ == "InterpretedFunction"):
         return write_draft_kv_reference(kv_layer, slot_of, block_of, last_used, layer, rows, tail_slots, opened,
                                         offset, attended, k, v, step)
@@ -206,6 +209,19 @@ def check_draft_kv(kv_layer, slot_of, block_of, last_used, layer, rows, tail_slo
                     ("k", k), ("v", v), ("step", step)):
         if t.device != kv_layer.device:
             raise ValueError(f"{name} is on {t.device}, kv_layer on {kv_layer.device}")
+
+
+def check_draft_values(kv_layer, slot_of, layer: int, rows, tail_slots, opened, offset) -> None:
+    """The kernel writes where these point: each row within slot_of, each tail slot and each opened block's slot
+    within kv_layer, each offset within a block, each opened block -1 or a column of slot_of but the spare
+    (kernels/residency.py uses this too)."""
+    check_range("rows", rows, 0, slot_of.shape[1])
+    check_range("tail_slots", tail_slots, 0, kv_layer.shape[0])
+    check_range("offset", offset, 0, kv_layer.shape[2])
+    check_range("opened", opened, -1, slot_of.shape[2] - 1)
+    opens = opened >= 0
+    check_range("the opened blocks' slots (slot_of)", slot_of[layer, rows[opens], opened[opens].long()], -1,
+                kv_layer.shape[0])
 
 
 POINTERS = {"kv_ptr": "*fp16", "slot_of_ptr": "*i32", "block_of_ptr": "*i32", "used_ptr": "*i64", "rows_ptr": "*i64",

@@ -182,6 +182,7 @@ def _launch(src_words, dst_words, src_layer_stride, dst_layer_stride, chunk_word
     """`programs`: at most this many programs (x splits) copy the entries, looping over them: a
     background copy then leaves most SMs to the compute stream (default: one program per entry)."""
     n = layer_ids.numel()
+    layer_ids, src_idx, dst_idx = layer_ids.contiguous(), src_idx.contiguous(), dst_idx.contiguous()  # read as [i]
     if tile is None:
         tile = min(4096, triton.next_power_of_2(chunk_words))
     num_tiles = triton.cdiv(chunk_words, tile)

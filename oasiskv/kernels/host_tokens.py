@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from oasiskv.kernels.host_gather import WORD_DTYPES, host_device_view
-from oasiskv.kernels.value_checks import interpreted
+from oasiskv.kernels.value_checks import check_range, checks_values, interpreted
 
 __all__ = ["store_tokens_to_host", "store_tokens_to_host_reference"]
 
@@ -73,9 +73,14 @@ def store_tokens_to_host_reference(k, v, host_kv, layer, blocks, offsets) -> Non
     kv[blocks, 1, offsets] = v.cpu()
 
 
-def store_tokens_to_host(k, v, host_kv, layer, blocks, offsets) -> None:
-    """Writes token i's K/V to (blocks[i], offsets[i]) of `layer` in the host store (module docstring)."""
+def store_tokens_to_host(k, v, host_kv, layer, blocks, offsets, check_values: bool | None = None) -> None:
+    """Writes token i's K/V to (blocks[i], offsets[i]) of `layer` in the host store (module docstring). The
+    places are checked where that costs no sync (value_checks.checks_values)."""
     _check(k, v, host_kv, layer, blocks, offsets)
+    blocks, offsets = blocks.contiguous(), offsets.contiguous()  # read as [i]
+    if checks_values(check_values, k.device):
+        check_range("blocks", blocks, 0, host_kv.shape[1])
+        check_range("offsets", offsets, 0, host_kv.shape[3])
     interpret = interpreted() and not k.is_cuda
     if not (k.is_cuda and host_kv.is_pinned() or interpret):
         store_tokens_to_host_reference(k, v, host_kv, layer, blocks, offsets)

@@ -45,6 +45,7 @@ def write_kv_slots(kv_layer: torch.Tensor, slot_blocks: torch.Tensor, slot_offse
     """Writes k[t] and v[t] at (slot_blocks[t], slot_offsets[t]) of kv_layer (see the module docstring). Triton on
     CUDA tensors and under TRITON_INTERPRET=1, else the torch twin."""
     _check(kv_layer, slot_blocks, slot_offsets, k, v)
+    slot_blocks, slot_offsets = slot_blocks.contiguous(), slot_offsets.contiguous()  # read as [t]
     tokens = k.shape[0]
     if tokens == 0:
         return

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from oasiskv.kernels.shortlist_mass import listed_mass
+from oasiskv.kernels.value_checks import check_range, checks_values
 
 __all__ = ["listed_scores", "listed_scores_reference", "on_the_list", "MAX_KERNEL_ELEMENTS"]
 
@@ -46,11 +47,15 @@ def _listed_scores_kernel(lse_ptr, listed_ptr, out_ptr, s_lb, s_lh, s_ib, s_ob, 
     tl.store(out_ptr + b * s_ob + logical, total_mass, mask=(logical >= 0) & (logical < OUT_WIDTH))
 
 
-def listed_scores(block_lse: torch.Tensor, listed: torch.Tensor, kv_heads: int, width: int) -> torch.Tensor:
+def listed_scores(block_lse: torch.Tensor, listed: torch.Tensor, kv_heads: int, width: int,
+                  check_values: bool | None = None) -> torch.Tensor:
     """fp32 [B, width]: each listed block's mass (block_lse fp32 [B, Hq, W], listed int32 [B, W] logical ids,
     distinct in a row, -1 = none) at its logical id, -inf elsewhere. Lists too long for one program's registers run
-    the torch twin."""
+    the torch twin. The ids are checked where that costs no sync (value_checks.checks_values): the kernel drops an
+    id past the row where the twin fails."""
     _check(block_lse, listed, kv_heads, width)
+    if checks_values(check_values, block_lse.device):
+        check_range("listed block ids", listed, -1, width)
     bsz, hq, w = block_lse.shape
     group = hq // kv_heads
     g_pad, w_pad = triton.next_power_of_2(group), triton.next_power_of_2(max(w, 1))

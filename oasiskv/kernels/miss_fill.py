@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from oasiskv.kernels.aot import compile_ahead
+from oasiskv.kernels.value_checks import check_range, checks_values
 
 __all__ = ["FillCounters", "fill_misses", "fill_misses_reference"]
 
@@ -96,13 +97,16 @@ def _fill_kernel(att_ptr, sel_ptr, score_ptr, block_of_ptr, rows_ptr, nblocks_pt
 
 def fill_misses(attended: torch.Tensor, selection: torch.Tensor, scores: torch.Tensor, block_of: torch.Tensor,
                 rows: torch.Tensor, nblocks: torch.Tensor, counters: FillCounters | None = None,
-                num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+                num_warps: int = 4, check_values: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """attended int32 [B, K + E], selection int32 [B, K], scores fp32 [B, W] (x_t's block scores; every block
     held below nblocks must be < W), block_of int32 [R, S] (the layer's slots per request row), rows int [B]
     (distinct), nblocks int32 [B]. Returns (attended filled, int32 [B] places filled), as the module docstring
     says, and adds the places to `counters` if given. Four warps with compares of 8192 pairs measured fastest on
-    the H200 at 129 and 513 slots (scripts/gpu_fill_bench.py, which times the others through `num_warps`)."""
+    the H200 at 129 and 513 slots (scripts/gpu_fill_bench.py, which times the others through `num_warps`). The rows
+    and held blocks are checked where that costs no sync (value_checks.checks_values)."""
     _check(attended, selection, scores, block_of, rows, nblocks, counters)
+    if checks_values(check_values, attended.device):
+        check_values_of(scores, block_of, rows, nblocks, counters)
     if not (attended.is_cuda or type(_fill_kernel).__name__ == "InterpretedFunction"):
         return fill_misses_reference(attended, selection, scores, block_of, rows, nblocks, counters)
     batch, k = selection.shape
@@ -190,6 +194,9 @@ def _check(attended, selection, scores, block_of, rows, nblocks, counters=None) 
         raise ValueError(f"block_of must be int32 [rows, slots], got {block_of.dtype} {tuple(block_of.shape)}")
     if rows.shape != (batch,) or nblocks.shape != (batch,):
         raise ValueError(f"rows and nblocks must be [B={batch}], got {tuple(rows.shape)} and {tuple(nblocks.shape)}")
+    for name, t in (("rows", rows), ("nblocks", nblocks)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
     for name, t in (("selection", selection), ("scores", scores), ("block_of", block_of), ("rows", rows),
                     ("nblocks", nblocks)):
         if t.device != attended.device:
@@ -198,6 +205,16 @@ def _check(attended, selection, scores, block_of, rows, nblocks, counters=None) 
         raise ValueError("attended, selection, scores and block_of must be contiguous along their last dimension")
     if counters is not None:
         _check_counters(counters, attended.device)
+
+
+def check_values_of(scores, block_of, rows, nblocks, counters=None) -> None:
+    """The kernel reads block_of's row of each rows[b] (and adds to its row of row_counts), and the score of each
+    block held there below nblocks[b]."""
+    high = block_of.shape[0] if counters is None else min(block_of.shape[0], counters.row_counts.shape[0])
+    check_range("rows", rows, 0, high)
+    held = block_of[rows.long()]
+    read = (held >= 0) & (held < nblocks[:, None])
+    check_range("blocks held below nblocks (block_of)", held[read], 0, scores.shape[1])
 
 
 def _check_counters(c: FillCounters, device: torch.device) -> None:

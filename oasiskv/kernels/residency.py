@@ -23,8 +23,9 @@ import triton
 import triton.language as tl
 
 from oasiskv.kernels.aot import compile_ahead
-from oasiskv.kernels.draft_kv import (POINTERS as DRAFT_POINTERS, DraftWrite, check_draft_kv,
+from oasiskv.kernels.draft_kv import (POINTERS as DRAFT_POINTERS, DraftWrite, check_draft_kv, check_draft_values,
                                       place_draft_row, placement_constants, write_draft_kv, write_draft_kv_reference)
+from oasiskv.kernels.value_checks import check_range, checks_values
 
 __all__ = ["COUNTERS", "DraftWrite", "resident_selection", "resident_selection_reference"]
 
@@ -116,8 +117,13 @@ def _check(selection, slot_of, predicted, rows, fresh, row_counts, layer_counts,
         raise ValueError("row_counts and layer_counts must be int64 [rows, counters] and [layers, counters]")
     if counter_ids.shape != (len(COUNTERS),):
         raise ValueError(f"counter_ids must hold {len(COUNTERS)} counter columns ({', '.join(COUNTERS)})")
+    for name, t in (("rows", rows), ("counter_ids", counter_ids)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
     if not 0 <= layer < slot_of.shape[0]:
         raise ValueError(f"layer {layer} out of range [0, {slot_of.shape[0]})")
+    if layer >= layer_counts.shape[0]:
+        raise ValueError(f"layer {layer} out of layer_counts' rows [0, {layer_counts.shape[0]})")
     if extra is not None and (extra.shape != (b,) or extra.dtype != torch.int32):
         raise ValueError(f"extra must be int32 [{b}], got {extra.dtype} {tuple(extra.shape)}")
     for name, t in (("slot_of", slot_of), ("predicted", predicted), ("rows", rows), ("fresh", fresh),
@@ -132,12 +138,18 @@ def _check(selection, slot_of, predicted, rows, fresh, row_counts, layer_counts,
 
 
 def resident_selection(selection, slot_of, predicted, rows, fresh, row_counts, layer_counts, counter_ids,
-                       layer: int, extra: torch.Tensor | None = None, draft: DraftWrite | None = None) -> torch.Tensor:
+                       layer: int, extra: torch.Tensor | None = None, draft: DraftWrite | None = None,
+                       check_values: bool | None = None) -> torch.Tensor:
     """The module docstring's `attended` (int32 [B, K], or [B, K + 1] with `extra`); adds the counters in place.
     `counter_ids` (long [5], on the device) gives the column of each of COUNTERS in row_counts / layer_counts.
     Blocks in `selection` must be < slot_of.shape[2]. With `draft` (needs `extra`, the opened blocks, and
-    int64 `rows`, distinct) also writes the drafts' K/V, in place on its tables and `slot_of`."""
+    int64 `rows`, distinct) also writes the drafts' K/V, in place on its tables and `slot_of`. The ids are checked
+    where that costs no sync (value_checks.checks_values)."""
     _check(selection, slot_of, predicted, rows, fresh, row_counts, layer_counts, counter_ids, layer, extra, draft)
+    if checks_values(check_values, selection.device):
+        check_values_of(selection, slot_of, rows, row_counts, layer_counts, counter_ids)
+        if draft is not None:
+            check_draft_values(draft.kv_layer, slot_of, layer, rows, draft.tail_slots, extra, draft.offset)
     if not (selection.is_cuda or type(_resident_kernel).__name__ == "InterpretedFunction"):
         return resident_selection_reference(selection, slot_of, predicted, rows, fresh, row_counts, layer_counts,
                                             counter_ids, layer, extra, draft)
@@ -162,6 +174,15 @@ def resident_selection(selection, slot_of, predicted, rows, fresh, row_counts, l
         values, constants = draft.launch_args()
         _resident_draft_kernel[(b,)](*args, *values, K_PAD=k_pad, **constants, num_warps=4)
     return out
+
+
+def check_values_of(selection, slot_of, rows, row_counts, layer_counts, counter_ids) -> None:
+    """The kernel reads slot_of and predicted at each selected block of each row, and adds to row_counts' row of
+    each row at each counter column (and to layer_counts at those columns)."""
+    check_range("selection", selection, -1, slot_of.shape[2])
+    check_range("rows (of slot_of and row_counts)", rows, 0, min(slot_of.shape[1], row_counts.shape[0]))
+    check_range("counter_ids (columns of row_counts and layer_counts)", counter_ids, 0,
+                min(row_counts.shape[1], layer_counts.shape[1]))
 
 
 def resident_selection_reference(selection, slot_of, predicted, rows, fresh, row_counts, layer_counts, counter_ids,

@@ -122,8 +122,7 @@ def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     launch (see the module docstring). Returns new contiguous (q_out, k_out), bit for bit
     :func:`apply_rotary_reference` of each. Not differentiable on the Triton path."""
     _check(q, k, cos, sin)
-    if cos.dim() == 2:
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    cos, sin = (c.unsqueeze(1) if c.dim() == 2 else c for c in (cos, sin))  # each by its own shape: they may differ
     if not _triton_runs(q.device):
         return apply_rotary_qk_reference(q, k, cos, sin)
     t, hq, d = q.shape

@@ -92,6 +92,7 @@ def shortlist_block_lse(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.T
     keys, key_scales = fp8_keys or (kv_layer, out)  # out: an unread stand-in for the scales
     strides = (keys.stride(0), keys.stride(1), keys.stride(2)) if fp8_keys else \
         (kv_layer.stride(0), kv_layer.stride(2), kv_layer.stride(3))
+    seq_lens = seq_lens.contiguous()  # read as seq_lens[b]
     _block_lse_kernel[(bsz, hkv, triton.cdiv(width, cols))](
         q, keys, tables, listed, seq_lens, out, scale, key_scales,
         q.stride(0), q.stride(1), *strides, tables.stride(0), listed.stride(0), out.stride(0), out.stride(1),

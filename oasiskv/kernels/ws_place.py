@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from oasiskv.kernels.aot import compile_ahead
+from oasiskv.kernels.value_checks import check_range, checks_values
 
 __all__ = ["place_fused", "fused_place_runs"]
 
@@ -109,15 +110,20 @@ def fused_place_runs(device: torch.device) -> bool:
 
 def place_fused(slot_of: torch.Tensor, block_of: torch.Tensor, last_used: torch.Tensor, layer: int | torch.Tensor,
                 rows: torch.Tensor, wanted: torch.Tensor, protect: torch.Tensor, step: int | torch.Tensor,
-                host_tables: torch.Tensor | None = None, only: torch.Tensor | None = None):
+                host_tables: torch.Tensor | None = None, only: torch.Tensor | None = None,
+                check_values: bool | None = None):
     """One placement (see the module docstring), in place on the three tables. Returns (miss, slots),
-    and with `host_tables` (miss, slots, src, dst)."""
+    and with `host_tables` (miss, slots, src, dst). The ids and each row's room for its misses are checked where
+    that costs no sync (value_checks.checks_values): the kernel writes where they point."""
     check_tables(slot_of, block_of, last_used)
     _check_request(slot_of, layer, rows, wanted, protect, step)
     r, k = wanted.shape
     dev = wanted.device
     if host_tables is not None:
         _check_copies(wanted, host_tables, only)
+    if checks_values(check_values, dev):
+        check_values_of(slot_of, layer, rows, wanted, host_tables)
+        check_room(slot_of, block_of, layer, rows, wanted, protect)
     miss = torch.empty(r, k, dtype=torch.int8, device=dev)
     slots = torch.empty(r, k, dtype=torch.int32, device=dev)
     src, dst = (torch.empty_like(slots), torch.empty_like(slots)) if host_tables is not None else (slots, slots)
@@ -209,6 +215,36 @@ def _check_request(slot_of, layer, rows, wanted, protect, step) -> None:
     for name, t in (("rows", rows), ("wanted", wanted), ("protect", protect), ("layer", layer), ("step", step)):
         if isinstance(t, torch.Tensor) and t.device != dev:
             raise ValueError(f"{name} is on {t.device}, the tables on {dev}")
+
+
+def check_values_of(slot_of, layer, rows, wanted, host_tables) -> None:
+    """Each layer and row within slot_of, each wanted block -1 or one of its columns but the spare, and within
+    host_tables' columns when the copies are listed."""
+    if isinstance(layer, torch.Tensor):
+        check_range("layer", layer, 0, slot_of.shape[0])
+    check_range("rows", rows, 0, slot_of.shape[1])
+    check_range("wanted", wanted, -1, slot_of.shape[2] - 1)
+    if host_tables is not None:
+        check_range("wanted blocks (host_tables columns)", wanted[wanted >= 0], 0, host_tables.shape[1])
+
+
+def check_room(slot_of, block_of, layer, rows, wanted, protect) -> None:
+    """Each row's misses at most its slots not protected: the kernel hands the k-th miss the k-th victim, so more
+    misses than victims would give two blocks one slot, or a slot past the row."""
+    lay = layer[:, None] if isinstance(layer, torch.Tensor) else layer
+    valid = wanted >= 0
+    miss = valid & (slot_of[lay, rows[:, None], wanted.clamp(min=0).long()] < 0)
+    width, p = block_of.shape[2] - 1, protect.shape[1]
+    held = block_of[lay, rows[:, None], torch.arange(width, device=block_of.device)].long()
+    known = (held >= 0) & (held < p)
+    padded = torch.cat([protect, protect.new_zeros(len(protect), 1)], 1)  # column p: a block not known
+    room = width - (known & padded.gather(1, torch.where(known, held, p))).sum(1)
+    over = (miss.sum(1) > room).nonzero().flatten()
+    if len(over):
+        i = int(over[0])
+        raise ValueError(f"row {int(rows[i])} wants {int(miss[i].sum())} blocks without a slot but has only "
+                         f"{int(room[i])} slots not protected: the protected blocks and the misses must fit in the "
+                         f"row's {width} slots")
 
 
 def _check_copies(wanted, host_tables, only) -> None:
