@@ -320,9 +320,10 @@ class KVConfig:
         """Summaries per block."""
         return block_size // (self.summary_tokens or block_size)
 
-    def fetch_blocks(self, block_size: int) -> int:
-        """Blocks a request may prefetch per layer per step (the fetch cap in blocks, rounded down)."""
-        return int(self.fetch_cap * self.budget + 1e-9) // block_size
+    def fetch_blocks(self, block_size: int, budget: int | None = None) -> int:
+        """Blocks a request may prefetch per layer per step: the fetch cap times the layer's budget (default
+        --kv-budget; --layer-weights gives layers others), in blocks rounded down."""
+        return int(self.fetch_cap * (self.budget if budget is None else budget) + 1e-9) // block_size
 
     @property
     def offloaded(self) -> bool:

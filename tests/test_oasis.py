@@ -434,3 +434,27 @@ def test_only_layers_that_select_count_selected_blocks(tmp_path, mode, shortlist
     assert stats["kv_selected_blocks"] == selected
     if mode != "quest":
         assert stats["kv_hits"] + stats["kv_misses"] == selected
+
+
+def test_the_fetch_cap_is_a_share_of_each_layers_own_budget(tmp_path):
+    """--fetch-cap x the layer's budget (DESIGN.md's definition): with --layer-weights every layer was capped at
+    --fetch-cap x --kv-budget, so a heavier layer could not prefetch its share even at fetch-all and a lighter one
+    prefetched more than its share (found by a helper's audit of the statistics). Weights 2, 1, 1 of a 64-token
+    budget over 3 layers: budgets of 96, 48 and 48 tokens; at cap 0.5, 3 blocks for layer 0 and 1 for the others."""
+    engine = tiny_engine(tmp_path, fetch_cap=0.5, draft="ngram", layer_weights=((0, 2.0),))
+    gen = torch.Generator().manual_seed(0)
+    for i in range(3):
+        engine.add_request(torch.randint(0, 256, (200 + 40 * i,), generator=gen).tolist(),
+                           SP(temperature=0.8, seed=i, max_tokens=120, ignore_eos=True), request_id=str(i))
+    engine.step()  # prefill
+    most = {0: 0, 1: 0, 2: 0}  # blocks a layer added to a request's working set in one step, at most
+    while engine.has_unfinished():
+        before = resident(engine)
+        engine.step()
+        for (rid, layer), now in resident(engine).items():
+            req = engine.requests[rid]
+            opened = {req.num_computed_tokens // engine.block_size, (req.num_computed_tokens - 1) // engine.block_size}
+            if before.get((rid, layer)):  # not the cold start right after the prefill
+                most[layer] = max(most[layer], len(now - before[(rid, layer)] - opened))
+    assert most == {0: 3, 1: 1, 2: 1}
+    assert engine.stats_dict()["kv_fetch_cap_blocks"] == 3

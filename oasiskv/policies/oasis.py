@@ -75,7 +75,10 @@ class OasisPolicy(OasisShortlist, TieredPolicy):
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         layers, rows = self.pool.kv.shape[0], self.ws.rows
-        self.fetch_cap_blocks = self.cfg.fetch_blocks(self.block_size)
+        # per layer budget (--layer-weights): at least a block, as --fetch-cap x --kv-budget must be
+        self.fetch_cap_of = {blocks: max(1, self.cfg.fetch_blocks(self.block_size, blocks * self.block_size))
+                             for blocks in set(self.layer_budget_blocks)}
+        self.fetch_cap_blocks = max(self.fetch_cap_of.values())  # (the stats' kv_fetch_cap_blocks: the largest)
         # every miss fetched: the "fetch" policy, and a cap of 1 (fetch-all: nothing x_t selects is left out, so with
         # a perfect draft oasis gives quest's tokens; a perfect draft token alone leaves misses, as the draft row's
         # query is computed over x_t's selection, not its own)
@@ -484,7 +487,7 @@ class OasisPolicy(OasisShortlist, TieredPolicy):
             # with --shortlist the prediction is the draft's list
             _, p, f = plan(scores[part], nblocks.repeat(n), self.cfg.shortlist_blocks(budget), self.cfg.sink_blocks,
                            self.cfg.local_blocks,
-                           self.fetch_cap_blocks, self.ws.max_blocks + 1, slot_of=self.ws.slot_of,
+                           self.fetch_cap_of[budget], self.ws.max_blocks + 1, slot_of=self.ws.slot_of,
                            layer_of=layer_of[part], rows=rows[part])
             predicted.append(p)
             fetch.append(f)

@@ -92,6 +92,8 @@ class SparsePolicy(KVPolicy):
         return ("sparse", length_bucket(self.meta.decode_max_seq_len) if self.cfg.dense_layers else 0)
 
     def request_stats(self, request_id: str) -> dict:
+        """The request's own counters (the tiered policies keep them per working-set row); quest and oracle count
+        their selections engine-wide only, summed on the device (a count per request would read it every step)."""
         return dict(self.per_request.pop(request_id, {}))
 
     def stats(self) -> dict:

@@ -9,11 +9,13 @@ import torch
 
 
 class PhaseTimer:
-    """Seconds per phase; on the GPU it synchronises around phases only when enabled."""
+    """Seconds per phase; on the GPU it synchronises around phases only when enabled. A phase inside another is
+    the inner one's time alone (the outer's excludes it), so the phases add up to the time they cover."""
 
     def __init__(self, enabled: bool, cuda: bool):
         self.enabled, self.cuda = enabled, cuda
         self.totals: dict[str, float] = defaultdict(float)
+        self.open: list[str] = []  # the phases entered and not yet left, outermost first
 
     def __call__(self, phase: str):
         return _Phase(self, phase)
@@ -27,13 +29,18 @@ class _Phase:
         if self.timer.enabled:
             if self.timer.cuda:
                 torch.cuda.synchronize()
+            self.timer.open.append(self.phase)
             self.t0 = time.perf_counter()
 
     def __exit__(self, *exc):
         if self.timer.enabled:
             if self.timer.cuda:
                 torch.cuda.synchronize()
-            self.timer.totals[self.phase] += time.perf_counter() - self.t0
+            spent = time.perf_counter() - self.t0
+            self.timer.totals[self.phase] += spent
+            self.timer.open.pop()
+            if self.timer.open:  # (the enclosing phase adds its whole time when it ends)
+                self.timer.totals[self.timer.open[-1]] -= spent
 
 
 class EventClock:
