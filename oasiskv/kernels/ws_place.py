@@ -232,8 +232,7 @@ def check_room(slot_of, block_of, layer, rows, wanted, protect) -> None:
     """Each row's misses at most its slots not protected: the kernel hands the k-th miss the k-th victim, so more
     misses than victims would give two blocks one slot, or a slot past the row."""
     lay = layer[:, None] if isinstance(layer, torch.Tensor) else layer
-    valid = wanted >= 0
-    miss = valid & (slot_of[lay, rows[:, None], wanted.clamp(min=0).long()] < 0)
+    miss = (wanted >= 0) & (slot_of[lay, rows[:, None], wanted.clamp(min=0).long()] < 0)
     width, p = block_of.shape[2] - 1, protect.shape[1]
     held = block_of[lay, rows[:, None], torch.arange(width, device=block_of.device)].long()
     known = (held >= 0) & (held < p)
