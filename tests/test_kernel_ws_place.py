@@ -216,10 +216,12 @@ def test_bad_input_is_refused():
 
 
 def small_set():
-    """A fused working set on the CPU (2 layers, 2 rows of 3 slots, 6 blocks): row 0 of layer 0 holds blocks 4 and
-    5 in its slots 0 and 1, its slot 2 is empty."""
-    ws = WorkingSet(2, 2, 3, 6, CPU, fused=True)
-    ws.place(0, torch.tensor([0]), torch.tensor([[4, 5]], dtype=torch.int32), torch.ones(1, 6, dtype=torch.bool), 1)
+    """A fused working set (2 layers, 2 rows of 3 slots, 6 blocks) where the kernel runs: row 0 of layer 0 holds
+    blocks 4 and 5 in its slots 0 and 1, its slot 2 is empty. The tests below ask for the value checks
+    (check_values=True), which run by default on CPU tensors only."""
+    ws = WorkingSet(2, 2, 3, 6, DEV, fused=True)
+    ws.place(0, torch.tensor([0], device=DEV), torch.tensor([[4, 5]], dtype=torch.int32, device=DEV),
+             torch.ones(1, 6, dtype=torch.bool, device=DEV), 1)
     return ws
 
 
@@ -233,22 +235,22 @@ def test_values_out_of_range_are_clear_errors_on_the_cpu(change, message):
     wanted blocks: out of range it wrote past slot_of (a heap corruption, an abort), into the spare column, or
     listed a copy from a garbage host block, silently; found by a helper's audit of the kernels."""
     ws = small_set()
-    layer, rows = 0, torch.tensor([0, 1])
-    wanted = torch.tensor([[1, 2], [0, -1]], dtype=torch.int32)
-    protect = torch.zeros(2, 6, dtype=torch.bool)
-    host_tables = torch.arange(12, dtype=torch.int32).view(2, 6)
+    layer, rows = 0, torch.tensor([0, 1], device=DEV)
+    wanted = torch.tensor([[1, 2], [0, -1]], dtype=torch.int32, device=DEV)
+    protect = torch.zeros(2, 6, dtype=torch.bool, device=DEV)
+    host_tables = torch.arange(12, dtype=torch.int32, device=DEV).view(2, 6)
     if change == "rows":
         rows[1] = 2
     if change == "wanted":
         wanted[1, 1] = 6
     if change == "layer":
-        layer = torch.tensor([0, 2])
+        layer = torch.tensor([0, 2], device=DEV)
     if change == "host_tables":
         host_tables, wanted[0, 1] = host_tables[:, :3], 3
     before = [getattr(ws, name).clone() for name in TABLES]
     with pytest.raises(ValueError, match=message):
         place_fused(ws._slot_of, ws._block_of, ws._last_used, layer, rows, wanted, protect, 2,
-                    host_tables=host_tables)
+                    host_tables=host_tables, check_values=True)
     assert all(torch.equal(getattr(ws, name), old) for name, old in zip(TABLES, before))
 
 
@@ -260,12 +262,17 @@ def test_more_misses_than_slots_not_protected_is_refused_on_the_cpu(wanted, prot
     slots not protected, the kernel gave two blocks one slot (or one past the row's width), silently; found by a
     helper's audit of the kernels. One miss fewer fits, and is placed."""
     ws = small_set()
-    protect = torch.zeros(1, 6, dtype=torch.bool)
+    protect = torch.zeros(1, 6, dtype=torch.bool, device=DEV)
     protect[0, wanted + protected] = True
+    row = torch.tensor([0], device=DEV)
+
+    def place(blocks):
+        return place_fused(ws._slot_of, ws._block_of, ws._last_used, 0, row,
+                           torch.tensor([blocks], dtype=torch.int32, device=DEV), protect, 2, check_values=True)
+
     before = [getattr(ws, name).clone() for name in TABLES]
     with pytest.raises(ValueError, match=f"row 0 wants {len(wanted)} blocks without a slot but has only {room} "):
-        ws.place(0, torch.tensor([0]), torch.tensor([wanted], dtype=torch.int32), protect, 2)
+        place(wanted)
     assert all(torch.equal(getattr(ws, name), old) for name, old in zip(TABLES, before))
-    fits = torch.tensor([wanted[:room]], dtype=torch.int32)
-    miss, slots = ws.place(0, torch.tensor([0]), fits, protect, 2)
+    miss, slots = place(wanted[:room])
     assert miss.all() and len(set(slots[0].tolist())) == room
