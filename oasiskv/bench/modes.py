@@ -13,7 +13,8 @@ import torch
 
 from oasiskv.bench import plots
 from oasiskv.bench.ceilings import memory_copy_gbps
-from oasiskv.bench.report import add_ratios, device_label, print_cap_table, print_modes_table, print_sweep_table, sig, write_json
+from oasiskv.bench.report import (add_ratios, device_label, print_cap_table, print_modes_table, print_sweep_table, sig,
+                                  write_json)
 from oasiskv.bench.step_profile import format_profile, profile_step
 from oasiskv.bench.workload import add_roofline, max_concurrency, run_workload, warm_up, workload_prompts
 from oasiskv.config import KV_MODES, EngineConfig

@@ -10,6 +10,8 @@ agreement.
 """
 from __future__ import annotations
 
+import collections
+import functools
 import time
 from dataclasses import dataclass
 
@@ -63,14 +65,22 @@ def kv_bytes_read(engine, tokens: int) -> int:
     blocks = -(-tokens // bs)
     summaries = blocks * (bs // (kv.summary_tokens or bs))
     read = 0.0
-    for layer in range(layers):
-        budget = kv.layer_budget(layer, layers, bs)
-        if layer < kv.dense_layers or blocks <= budget // bs:
-            read += tokens
+    for budget, dense, count in sparse_layers(kv, layers, bs):
+        if dense or blocks <= budget // bs:
+            read += count * tokens
         else:
             listed = kv.shortlist_blocks(budget // bs) * bs if kv.shortlist else 0
-            read += budget + summaries + listed / 2  # (keys only: half a token's K and V)
+            read += count * (budget + summaries + listed / 2)  # (keys only: half a token's K and V)
     return int(read * per_token / layers)
+
+
+@functools.lru_cache(maxsize=16)
+def sparse_layers(kv, layers: int, block_size: int) -> tuple[tuple[int, bool, int], ...]:
+    """(budget, attends densely (--dense-layers), number of such layers): kv_bytes_read runs for every request in
+    every step, so the layers' budgets are worked out once."""
+    kinds = collections.Counter((kv.layer_budget(layer, layers, block_size), layer < kv.dense_layers)
+                                for layer in range(layers))
+    return tuple((budget, dense, count) for (budget, dense), count in kinds.items())
 
 
 def decode_weight_bytes(engine) -> int:
